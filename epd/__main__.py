@@ -1,0 +1,3 @@
+from epd.cli import main
+
+raise SystemExit(main())

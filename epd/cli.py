@@ -1,0 +1,156 @@
+"""The `epd` command line.
+
+epd up                      a whole cluster on this machine (embedded Redis by default)
+epd proxy|encoder|lm        one role, as compose and Kubernetes run them
+epd generate PROMPT         a client: streams the answer from a running cluster
+epd config                  print the effective configuration, or the EPD_ variables
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from epd.config import ENV_REGISTRY, ClusterConfig, ConfigError, config_to_dict, load_config
+
+ROLE_MAINS: dict[str, str] = {
+    "proxy": "proxy.server",
+    "encoder": "encoder_worker.server",
+    "lm": "lm_worker.server",
+}
+
+
+def _config_from_args(args: argparse.Namespace, overrides: dict[str, Any]) -> ClusterConfig:
+    return load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from epd.launcher import LaunchError, LocalCluster, run_cluster
+    from epd.log import setup_logging
+
+    config = _config_from_args(
+        args,
+        {
+            "model.path": args.model,
+            "proxy.grpc_port": args.grpc_port,
+            "proxy.http_port": args.http_port,
+            "connector.url": args.redis_url,
+        },
+    )
+    setup_logging("epd-up", config.log_level)
+    try:
+        cluster = LocalCluster(
+            config,
+            num_encoders=args.encoders,
+            num_lm_workers=args.lm_workers,
+            host=args.host,
+            startup_timeout=args.startup_timeout,
+        )
+    except LaunchError as e:
+        print(f"epd up: {e}", file=sys.stderr)
+        return 2
+    return run_cluster(cluster)
+
+
+def _role_command(role: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        from epd.log import setup_logging
+
+        section = {"encoder": "encoder", "lm": "lm"}.get(role)
+        overrides = {f"{section}.listen": args.listen} if section else {}
+        config = _config_from_args(args, overrides)
+        config.check_role(role)
+        setup_logging(args.name or role, config.log_level)
+        return importlib.import_module(ROLE_MAINS[role]).main(config, args.name or role)
+
+    return run
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from epd.client import run_generate
+
+    return run_generate(args)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    if args.env:
+        for setting in ENV_REGISTRY.values():
+            current = os.environ.get(setting.name)
+            note = f"  (set: {current})" if current is not None else ""
+            print(f"{setting.name:<40} {setting.help}{note}")
+        return 0
+    print(yaml.safe_dump(config_to_dict(_config_from_args(args, {})), sort_keys=False), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="start a whole cluster on this machine")
+    up.add_argument("--config", help="cluster YAML file (defaults fill in the rest)")
+    up.add_argument("--model", help="checkpoint directory (Hugging Face layout)")
+    up.add_argument("--grpc-port", type=int, help="proxy gRPC port (default 50051)")
+    up.add_argument("--http-port", type=int, help="proxy HTTP port (default 8000)")
+    up.add_argument("--encoders", type=int, default=1, help="encoder workers (default 1)")
+    up.add_argument("--lm-workers", type=int, default=1, help="LM workers (default 1)")
+    up.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
+    up.add_argument("--host", default="127.0.0.1", help="proxy bind address (default 127.0.0.1)")
+    up.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING"
+    )
+    up.set_defaults(func=cmd_up)
+
+    for role, help_text in (
+        ("proxy", "run the proxy (gRPC Inference + HTTP API)"),
+        ("encoder", "run one encoder worker"),
+        ("lm", "run one LM worker"),
+    ):
+        p = sub.add_parser(role, help=help_text)
+        p.add_argument("--config", help="cluster YAML file")
+        p.add_argument("--name", help="name in logs and metrics (default: the role)")
+        if role != "proxy":
+            p.add_argument("--listen", help=f"override {role}.listen (host:port)")
+        p.set_defaults(func=_role_command(role))
+
+    gen = sub.add_parser("generate", help="send one request to a running cluster")
+    gen.add_argument("prompt", help="the user message (or the raw prompt with --raw)")
+    gen.add_argument("--target", default="127.0.0.1:50051", help="proxy gRPC address")
+    gen.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    gen.add_argument("--audio", action="append", default=[], help="WAV file (repeatable)")
+    gen.add_argument("--raw", action="store_true", help="send PROMPT as-is, no chat template")
+    gen.add_argument("--model", default="", help="model name (default: the served one)")
+    gen.add_argument("--max-tokens", type=int)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    gen.add_argument(
+        "--json", action="store_true", help="print one JSON object: text, token ids, timings"
+    )
+    gen.set_defaults(func=cmd_generate)
+
+    cfg = sub.add_parser("config", help="print the effective configuration")
+    cfg.add_argument("--config", help="cluster YAML file")
+    cfg.add_argument("--env", action="store_true", help="list the EPD_ environment variables")
+    cfg.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"epd {args.command}: configuration error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,428 @@
+"""The cluster configuration: one YAML file parsed into frozen, typed objects.
+
+Every role reads the same file and takes its own section. Precedence, lowest first: the defaults
+below, the YAML file, `EPD_*` environment variables, command-line flags. Anything wrong (an
+unknown key, a wrong type, an impossible value, a combination we do not support) is refused at
+start-up by `ConfigError`, whose message names the key and says what to change.
+
+Environment overrides go through one registry derived from these dataclasses: the key
+`connector.url` is `EPD_CONNECTOR_URL`, `proxy.grpc_port` is `EPD_PROXY_GRPC_PORT`, and so on
+(`epd config --env` lists them). An `EPD_` variable that is not in the registry is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+ENV_PREFIX = "EPD_"
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "bfloat16", "float16", "float32"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used. `key` is the dotted path to it."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.message = message
+        super().__init__(f"{key}: {message}" if key else message)
+
+    def under(self, prefix: str) -> ConfigError:
+        return ConfigError(f"{prefix}.{self.key}" if self.key else prefix, self.message)
+
+
+def parse_address(value: str, key: str = "") -> tuple[str, int]:
+    """'host:port' or '[v6::addr]:port' -> (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(key, f"expected an address 'host:port', got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    port_num = int(port)
+    if not 0 < port_num < 65536:
+        raise ConfigError(key, f"port must be in 1..65535, got {port_num} in {value!r}")
+    return host, port_num
+
+
+def _check_port(key: str, port: int) -> None:
+    if not 0 < port < 65536:
+        raise ConfigError(key, f"must be a port in 1..65535, got {port}")
+
+
+def _check_positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(key, f"must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # A checkpoint directory in the Hugging Face layout. None: the built-in small model.
+    path: str | None = None
+    # The served model name (the API's `model`). None: the directory's name.
+    name: str | None = None
+    # Weights dtype. auto: bfloat16 on CUDA, float32 on the CPU.
+    dtype: DType = "auto"
+
+    def __post_init__(self):
+        if self.name is not None and not self.name.strip():
+            raise ConfigError("name", "must not be empty (leave it out to use the directory name)")
+
+    @property
+    def served_name(self) -> str:
+        if self.name:
+            return self.name
+        return Path(self.path).name if self.path else "epd-builtin"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    # redis://[user:password@]host:port/db, rediss:// for TLS. None: `epd up` starts the
+    # embedded server; the single-role commands need it set.
+    url: str | None = None
+    # Prefix of every key, so several clusters can share one Redis.
+    namespace: str = "epd"
+    # Lifetime of a published embedding. Eviction before then is normal: a miss re-encodes.
+    ttl_seconds: int = 3600
+    # How long a role waits at start-up for Redis to answer before it gives up.
+    startup_wait_seconds: float = 60.0
+
+    def __post_init__(self):
+        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                "url", f"must start with redis://, rediss:// or unix://, got {self.url!r}"
+            )
+        if not self.namespace or any(c in self.namespace for c in ": {}"):
+            raise ConfigError(
+                "namespace",
+                f"must be non-empty without ':', '{{', '}}' or spaces: {self.namespace!r}",
+            )
+        _check_positive("ttl_seconds", self.ttl_seconds)
+        _check_positive("startup_wait_seconds", self.startup_wait_seconds)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    host: str = "0.0.0.0"
+    # Client-facing gRPC (epd.v1.Inference).
+    grpc_port: int = 50051
+    # OpenAI-compatible HTTP API, /health, /metrics.
+    http_port: int = 8000
+    # Static worker addresses ('host:port').
+    encoders: tuple[str, ...] = ()
+    lm_workers: tuple[str, ...] = ()
+    # On SIGTERM: how long requests in flight may take to finish before the proxy exits.
+    drain_timeout_seconds: float = 30.0
+
+    def __post_init__(self):
+        _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
+        _check_port("grpc_port", self.grpc_port)
+        _check_port("http_port", self.http_port)
+        if self.grpc_port == self.http_port:
+            raise ConfigError(
+                "http_port",
+                f"grpc_port and http_port are both {self.http_port}: give them different ports",
+            )
+        for name in ("encoders", "lm_workers"):
+            addresses = getattr(self, name)
+            for i, address in enumerate(addresses):
+                parse_address(address, f"{name}[{i}]")
+            if len(set(addresses)) != len(addresses):
+                dup = next(a for a in addresses if addresses.count(a) > 1)
+                raise ConfigError(name, f"lists {dup} more than once")
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    # Where the encoder's gRPC server binds.
+    listen: str = "0.0.0.0:50061"
+    device: Device = "auto"
+    # On SIGTERM: how long in-flight encodes may take to finish before the worker exits.
+    drain_timeout_seconds: float = 30.0
+
+    def __post_init__(self):
+        parse_address(self.listen, "listen")
+        _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    # Where the LM worker's gRPC server binds.
+    listen: str = "0.0.0.0:50071"
+    device: Device = "auto"
+    # On SIGTERM: how long running requests may take to finish before the worker exits.
+    drain_timeout_seconds: float = 60.0
+
+    def __post_init__(self):
+        parse_address(self.listen, "listen")
+        _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    connector: ConnectorConfig = field(default_factory=ConnectorConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    lm: LMConfig = field(default_factory=LMConfig)
+    log_level: LogLevel = "info"
+
+    def check_role(self, role: str) -> None:
+        """Refuse, before anything starts, what `role` cannot run with."""
+        if self.connector.url is None:
+            raise ConfigError(
+                "connector.url",
+                f"is not set, and the {role} needs Redis: set connector.url in the config file "
+                f"or {ENV_PREFIX}CONNECTOR_URL (only `epd up` starts an embedded server)",
+            )
+        if self.model.path is not None and not (Path(self.model.path) / "config.json").is_file():
+            raise ConfigError(
+                "model.path",
+                f"{self.model.path!r} is not a checkpoint directory (no config.json in it)",
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Building typed objects from plain data (YAML, environment, flags)
+# --------------------------------------------------------------------------------------------
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _coerce(tp: Any, value: Any, key: str, from_env: bool) -> Any:
+    """Check `value` against the annotation `tp`; parse it from a string when from_env."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = [a for a in get_args(tp) if a is not type(None)]
+        if value is None or (from_env and value == ""):
+            if type(None) in get_args(tp):
+                return None
+            raise ConfigError(key, "must be set")
+        assert len(options) == 1, f"unsupported annotation {tp}"
+        return _coerce(options[0], value, key, from_env)
+    if value is None:
+        raise ConfigError(key, "must be set (null is not allowed here)")
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(key, f"must be one of {', '.join(map(str, choices))}; got {value!r}")
+        return value
+    if origin is tuple:
+        (item_tp, _ellipsis) = get_args(tp)
+        if from_env and isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(key, f"expected a list, got {_describe(value)}")
+        return tuple(_coerce(item_tp, v, f"{key}[{i}]", from_env) for i, v in enumerate(value))
+    if tp is bool:
+        if from_env and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"expected true or false, got {_describe(value)}")
+        return value
+    if tp is int:
+        if from_env and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(key, f"expected an integer, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"expected an integer, got {_describe(value)}")
+        return value
+    if tp is float:
+        if from_env and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(key, f"expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(key, f"expected a number, got {_describe(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {_describe(value)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    raise AssertionError(f"unsupported annotation {tp} at {key}")
+
+
+def _build(cls: type, data: Any, prefix: str = "") -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(prefix, f"expected a mapping of settings, got {_describe(data)}")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(names)}"
+            raise ConfigError(_join(prefix, str(key)), f"unknown key{hint}")
+    kwargs = {}
+    for name in names:
+        if name in data:
+            kwargs[name] = _coerce(hints[name], data[name], _join(prefix, name), from_env=False)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise e.under(prefix) if prefix else e from None
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+# --------------------------------------------------------------------------------------------
+# The environment registry
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnvSetting:
+    name: str  # EPD_...
+    key: str  # dotted config key, or "" for a process setting
+    type: Any
+    help: str
+
+
+def _config_env_settings(cls: type = ClusterConfig, path: tuple[str, ...] = ()) -> list[EnvSetting]:
+    out = []
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out += _config_env_settings(tp, (*path, f.name))
+        else:
+            key = ".".join((*path, f.name))
+            out.append(EnvSetting(ENV_PREFIX + "_".join((*path, f.name)).upper(), key, tp, key))
+    return out
+
+
+# Settings of the process rather than of the cluster.
+PROCESS_ENV_SETTINGS = [
+    EnvSetting(
+        ENV_PREFIX + "CACHE_DIR",
+        "",
+        str,
+        "where epd keeps what it writes for itself (the built-in model); default ~/.cache/epd",
+    ),
+]
+
+ENV_REGISTRY: dict[str, EnvSetting] = {
+    s.name: s for s in _config_env_settings() + PROCESS_ENV_SETTINGS
+}
+assert len(ENV_REGISTRY) == len(_config_env_settings()) + len(PROCESS_ENV_SETTINGS), (
+    "two settings map to one EPD_ variable"
+)
+
+
+def _check_env(environ: Mapping[str, str]) -> None:
+    for name in environ:
+        if name.startswith(ENV_PREFIX) and name not in ENV_REGISTRY:
+            close = difflib.get_close_matches(name, list(ENV_REGISTRY), n=1)
+            hint = f"; did you mean {close[0]}?" if close else " (`epd config --env` lists them)"
+            raise ConfigError(name, f"is not a known setting{hint}")
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The config keys that EPD_* variables set, parsed to their types."""
+    _check_env(environ)
+    out = {}
+    for name, setting in ENV_REGISTRY.items():
+        if setting.key and name in environ:
+            out[setting.key] = _coerce(setting.type, environ[name], name, from_env=True)
+    return out
+
+
+def cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    value = environ.get(ENV_PREFIX + "CACHE_DIR")
+    return Path(value) if value else Path.home() / ".cache" / "epd"
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def _set_path(data: dict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = data
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parents[: i + 1]), "expected a mapping of settings")
+        node = child
+    node[leaf] = value
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> ClusterConfig:
+    """Read the YAML file (optional), apply EPD_* variables, then `overrides` (dotted keys)."""
+    data: Any = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError("", f"cannot read config file {path}: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError("", f"{path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("", f"{path} must hold a mapping of sections, got {_describe(data)}")
+    for key, value in {**env_overrides(environ), **(overrides or {})}.items():
+        _set_path(data, key, value)
+    return _build(ClusterConfig, data)
+
+
+def config_to_dict(config: Any) -> dict:
+    """The plain-data form of a config object (YAML-ready: tuples become lists)."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(dataclasses.asdict(config))
+
+
+def dump_config(config: ClusterConfig, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+
+
+__all__ = [
+    "ENV_REGISTRY",
+    "ClusterConfig",
+    "ConfigError",
+    "ConnectorConfig",
+    "EncoderConfig",
+    "LMConfig",
+    "ModelConfig",
+    "ProxyConfig",
+    "cache_dir",
+    "config_to_dict",
+    "dump_config",
+    "load_config",
+    "parse_address",
+]

@@ -1,0 +1,21 @@
+"""Client side of grpc.health.v1: what the launcher, the proxy and the tests ask each role."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+UNREACHABLE = "UNREACHABLE"
+
+
+def health_status(address: str, service: str = "", timeout: float = 1.0) -> str:
+    """'SERVING', 'NOT_SERVING', ... or UNREACHABLE when nothing answers at `address`."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return UNREACHABLE
+            raise
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

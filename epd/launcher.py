@@ -1,0 +1,233 @@
+"""`epd up`: a whole cluster on one machine, each role a named child process.
+
+    redis (embedded, unless a URL is given) -> encoder-0.. and lm-0.. -> proxy
+
+Each role is started with the same generated cluster file and its own --listen address; the
+launcher waits until each reports SERVING over grpc.health.v1, prints the endpoints, and on
+Ctrl-C / SIGTERM stops them in reverse order (proxy first, so nothing new arrives while the
+workers drain). A role that dies stops the cluster, loudly. Children die with the launcher even
+if it is killed (see epd.process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from connector import EmbeddedRedis, EmbeddedServerError, redact_url
+from epd.config import ClusterConfig, dump_config
+from epd.health import health_status
+from epd.process import Child, epd_command, free_port, port_is_free
+
+logger = logging.getLogger(__name__)
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Role:
+    name: str  # "encoder-0"
+    kind: str  # "encoder" | "lm" | "proxy": the `epd` subcommand
+    address: str  # where its gRPC server listens
+    child: Child | None = None
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        num_encoders: int = 1,
+        num_lm_workers: int = 1,
+        host: str = "127.0.0.1",
+        startup_timeout: float = 600.0,
+    ):
+        if num_encoders < 1 or num_lm_workers < 1:
+            raise LaunchError("a cluster needs at least one encoder and one LM worker")
+        self.config = config
+        self.host = host
+        self.startup_timeout = startup_timeout
+        self.redis: EmbeddedRedis | None = None
+        self.run_dir = Path(tempfile.mkdtemp(prefix="epd-up-"))
+        self.encoders = [
+            Role(f"encoder-{i}", "encoder", f"127.0.0.1:{free_port()}") for i in range(num_encoders)
+        ]
+        self.lm_workers = [
+            Role(f"lm-{i}", "lm", f"127.0.0.1:{free_port()}") for i in range(num_lm_workers)
+        ]
+        self.proxy = Role("proxy", "proxy", f"127.0.0.1:{config.proxy.grpc_port}")
+        self.stopping = False
+        self._wake = threading.Event()
+
+    @property
+    def roles(self) -> list[Role]:
+        return [*self.encoders, *self.lm_workers, self.proxy]
+
+    # ---------------------------------------------------------------------------- start
+
+    def start(self) -> None:
+        started = time.monotonic()
+        self._check_ports_free()
+        url = self.config.connector.url
+        if url is None:
+            self.redis = EmbeddedRedis()
+            try:
+                self.redis.start()
+            except EmbeddedServerError as e:
+                raise LaunchError(f"the embedded Redis server did not start: {e}") from e
+            url = self.redis.url
+        self.config = dataclasses.replace(
+            self.config,
+            connector=dataclasses.replace(self.config.connector, url=url),
+            proxy=dataclasses.replace(
+                self.config.proxy,
+                host=self.host,
+                encoders=tuple(r.address for r in self.encoders),
+                lm_workers=tuple(r.address for r in self.lm_workers),
+            ),
+        )
+        config_path = self.run_dir / "cluster.yaml"
+        dump_config(self.config, config_path)
+
+        workers = [*self.encoders, *self.lm_workers]
+        for role in workers:
+            self._spawn(role, config_path, "--listen", role.address)
+        self._wait_serving(workers)
+        self._spawn(self.proxy, config_path)
+        self._wait_serving([self.proxy])
+        self._print_endpoints(time.monotonic() - started)
+
+    def _check_ports_free(self) -> None:
+        for key, port in (
+            ("--grpc-port", self.config.proxy.grpc_port),
+            ("--http-port", self.config.proxy.http_port),
+        ):
+            if not port_is_free(self.host, port):
+                raise LaunchError(f"port {port} on {self.host} is in use: pass another {key}")
+
+    def _spawn(self, role: Role, config_path: Path, *extra: str) -> None:
+        argv = epd_command(role.kind, "--config", str(config_path), "--name", role.name, *extra)
+        role.child = Child(role.name, argv)
+
+    def _wait_serving(self, roles: list[Role]) -> None:
+        """Until every role reports SERVING; LaunchError if one exits or time runs out."""
+        deadline = time.monotonic() + self.startup_timeout
+        last_report = time.monotonic()
+        pending = {r.name: r for r in roles}
+        status = {}
+        while pending:
+            if self.stopping:
+                raise LaunchError("stopped during start-up")
+            for name, role in list(pending.items()):
+                if role.child.poll() is not None:
+                    raise LaunchError(
+                        f"{name} exited with code {role.child.poll()} during start-up "
+                        "(its log is above)"
+                    )
+                status[name] = health_status(role.address, timeout=0.5)
+                if status[name] == "SERVING":
+                    del pending[name]
+                    print(f"  {name} SERVING at {role.address}", file=sys.stderr, flush=True)
+            now = time.monotonic()
+            if pending and now > deadline:
+                waiting = ", ".join(f"{n} ({status.get(n)})" for n in pending)
+                raise LaunchError(f"not SERVING after {self.startup_timeout:.0f}s: {waiting}")
+            if pending and now - last_report > 5:
+                waiting = ", ".join(f"{n} ({status.get(n)})" for n in pending)
+                print(f"  waiting for {waiting}", file=sys.stderr, flush=True)
+                last_report = now
+            if pending:
+                self._wake.wait(0.1)  # start-up poll; a signal or a child's exit wakes it early
+
+    def _print_endpoints(self, elapsed: float) -> None:
+        c = self.config
+        http = f"http://{self.host}:{c.proxy.http_port}"
+        redis_note = "embedded" if self.redis else "external"
+        lines = [
+            f"epd cluster SERVING in {elapsed:.1f}s: model {c.model.served_name}",
+            f"  gRPC       {self.proxy.address}  (epd.v1.Inference)",
+            f"  HTTP       {http}  (OpenAI API under /v1; /health, /metrics)",
+            *(f"  {r.name:<11}{r.address}" for r in self.encoders + self.lm_workers),
+            f"  redis      {redact_url(c.connector.url)}  ({redis_note})",
+            f'try:       epd generate "Hello" --target {self.proxy.address}',
+            "Ctrl-C stops the cluster.",
+        ]
+        print("\n".join(lines), flush=True)
+
+    # ---------------------------------------------------------------------------- run / stop
+
+    def _on_signal(self, signum, frame) -> None:
+        if signum in (signal.SIGINT, signal.SIGTERM):
+            if self.stopping:
+                print("second signal: killing every role now", file=sys.stderr, flush=True)
+                for role in self.roles:
+                    if role.child is not None:
+                        role.child.signal(signal.SIGKILL)
+                if self.redis is not None and self.redis.child is not None:
+                    self.redis.child.signal(signal.SIGKILL)
+            self.stopping = True
+        self._wake.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+            signal.signal(sig, self._on_signal)
+
+    def wait(self) -> int:
+        """Block until a signal (exit code 0) or a role's death (exit code 1)."""
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self.stopping:
+                return 0
+            dead = [r for r in self.roles if r.child is not None and r.child.poll() is not None]
+            if self.redis is not None and self.redis.child.poll() is not None:
+                print("the embedded Redis server exited; stopping the cluster", file=sys.stderr)
+                return 1
+            if dead:
+                names = ", ".join(f"{r.name} (exit code {r.child.poll()})" for r in dead)
+                print(f"{names} stopped unexpectedly; stopping the cluster", file=sys.stderr)
+                return 1
+
+    def stop(self) -> None:
+        """Proxy first, then the workers (they drain in parallel), then Redis."""
+        self.stopping = True
+        c = self.config
+        self._stop_group([self.proxy], c.proxy.drain_timeout_seconds + 10)
+        drain = max(c.encoder.drain_timeout_seconds, c.lm.drain_timeout_seconds) + 10
+        self._stop_group(self.encoders + self.lm_workers, drain)
+        if self.redis is not None:
+            self.redis.stop()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _stop_group(self, roles: list[Role], timeout: float) -> None:
+        live = [r for r in roles if r.child is not None]
+        for role in live:
+            role.child.signal(signal.SIGTERM)
+        for role in live:
+            code = role.child.stop(timeout)
+            if code not in (0, -signal.SIGTERM, -signal.SIGKILL):
+                print(f"{role.name} exited with code {code}", file=sys.stderr, flush=True)
+
+
+def run_cluster(cluster: LocalCluster) -> int:
+    cluster.install_signal_handlers()
+    try:
+        cluster.start()
+        code = cluster.wait()
+    except LaunchError as e:
+        print(f"epd up: {e}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        print("stopping the cluster...", file=sys.stderr, flush=True)
+        cluster.stop()
+        print("cluster stopped", file=sys.stderr, flush=True)
+    return code

@@ -1,0 +1,89 @@
+"""Named child processes that never outlive their parent.
+
+Each child runs in its own session (a terminal's Ctrl-C reaches only the parent, which then stops
+the children in order) and gets SIGTERM from the kernel if the parent dies without stopping it
+(Linux PR_SET_PDEATHSIG), so nothing is left running whatever happens to the parent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Child:
+    """One named child process."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None, **popen):
+        self.name = name
+        self.argv = list(argv)
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            **popen,
+        )
+        logger.debug("started %s (pid %d): %s", name, self.proc.pid, " ".join(self.argv))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float) -> int:
+        """SIGTERM, wait up to `timeout` seconds for a clean exit, then SIGKILL."""
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not exit %.0fs after SIGTERM; killing it", self.name, timeout)
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __repr__(self) -> str:
+        return f"Child({self.name!r}, pid={self.proc.pid}, returncode={self.proc.returncode})"
+
+
+def epd_command(*args: str) -> list[str]:
+    """argv that runs `epd ARGS...` with this interpreter (no reliance on PATH)."""
+    return [sys.executable, "-m", "epd", *args]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True

@@ -1,0 +1,170 @@
+"""The life cycle every role's gRPC server shares.
+
+    bind (health NOT_SERVING) -> load and warm up -> SERVING -> SIGTERM / SIGINT
+        -> NOT_SERVING, refuse new work with UNAVAILABLE -> finish work in flight -> exit
+
+Besides the role's own services, every server answers grpc.health.v1 (what Kubernetes probes
+and the proxy watches) and server reflection (so grpcurl and friends work without the .proto).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+# Media items travel inside requests (embeddings never do: they go through the connector).
+MAX_MESSAGE_BYTES = 128 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str  # full service name, e.g. "epd.v1.Encoder"
+    servicer: Any
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+
+
+class RoleServer:
+    """A grpc.aio server for one role, with health, reflection and draining."""
+
+    def __init__(self, role: str, listen: str, services: Sequence[Service]):
+        self.role = role
+        self.listen = listen
+        self.services = list(services)
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.health = HealthServicer()
+        self.draining = False
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        for service in self.services:
+            service.add_to_server(service.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [s.name for s in self.services]
+            + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server,
+        )
+
+    @property
+    def health_names(self) -> list[str]:
+        return ["", *(s.name for s in self.services)]
+
+    async def start(self) -> int:
+        """Bind and start answering (NOT_SERVING until `set_serving`). Returns the bound port."""
+        for name in self.health_names:
+            await self.health.set(name, NOT_SERVING)
+        try:
+            port = self.server.add_insecure_port(self.listen)
+        except RuntimeError as e:
+            raise OSError(f"{self.role} cannot listen on {self.listen}: {e} (port in use?)") from e
+        await self.server.start()
+        return port
+
+    async def set_serving(self) -> None:
+        for name in self.health_names:
+            await self.health.set(name, SERVING)
+
+    @contextlib.asynccontextmanager
+    async def work(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Wrap the body of every RPC that does real work: refused while draining, and counted
+        so that draining waits for it."""
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{self.role} is draining; send this elsewhere"
+            )
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    async def drain(self, timeout: float) -> None:
+        """NOT_SERVING, refuse new work, wait up to `timeout` for work in flight, then stop."""
+        self.draining = True
+        await self.health.enter_graceful_shutdown()
+        if self.inflight:
+            logger.info("draining: %d RPCs in flight (up to %.0fs)", self.inflight, timeout)
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except TimeoutError:
+                logger.warning("drain timeout: cancelling %d RPCs still in flight", self.inflight)
+        # What is left (health watches, reflection) ends now.
+        await self.server.stop(grace=None)
+
+
+async def run_role(
+    server: RoleServer,
+    load: Callable[[], Awaitable[None]],
+    drain_timeout: float,
+    on_serving: Callable[[], Awaitable[None]] | None = None,
+    on_drain: Callable[[], Awaitable[None]] | None = None,
+) -> int:
+    """Run `server` until SIGTERM / SIGINT. Returns the process exit code.
+
+    `load` runs after the server is bound (health says NOT_SERVING meanwhile); a signal during
+    load stops at once. `on_serving` / `on_drain` start and stop what the role serves besides
+    gRPC (the proxy's HTTP API)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    port = await server.start()
+    logger.info("%s listening on port %d (NOT_SERVING until loaded)", server.role, port)
+    started = time.monotonic()
+    load_task = asyncio.create_task(load())
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.wait([load_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
+    if not load_task.done():
+        logger.info("stopped during start-up")
+        load_task.cancel()
+        await server.drain(0)
+        return 0
+    if load_task.exception() is not None:
+        logger.error("start-up failed: %s", load_task.exception())
+        stop_task.cancel()
+        await server.drain(0)
+        return 1
+
+    if on_serving is not None:
+        await on_serving()
+    await server.set_serving()
+    logger.info("%s SERVING (ready in %.1fs)", server.role, time.monotonic() - started)
+    await stop_task
+    logger.info("%s draining", server.role)
+    if on_drain is not None:
+        await on_drain()
+    await server.drain(drain_timeout)
+    logger.info("%s stopped", server.role)
+    return 0
+
+
+async def unimplemented(context: grpc.aio.ServicerContext, method: str, lands_with: str) -> None:
+    """Answer an RPC whose behaviour belongs to a later piece of work."""
+    await context.abort(
+        grpc.StatusCode.UNIMPLEMENTED,
+        f"{method} is not implemented in this build (it lands with {lands_with})",
+    )

@@ -1,0 +1,1 @@
+"""Model code both worker roles import: checkpoints, preprocessing, towers and LMs."""

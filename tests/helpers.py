@@ -1,0 +1,41 @@
+"""Helpers the test files share (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from epd.health import health_status
+from epd.process import Child
+
+
+@dataclass
+class RoleProcess:
+    name: str
+    kind: str
+    address: str
+    child: Child
+
+    def wait_status(self, want: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        status = None
+        while time.monotonic() < deadline:
+            assert self.child.poll() is None, f"{self.name} exited with {self.child.poll()}"
+            status = health_status(self.address, timeout=0.5)
+            if status == want:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name} at {self.address}: {status}, wanted {want}")
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        self.child.signal(signal.SIGTERM)
+        return self.child.stop(timeout)
+
+
+def write_config(path: Path, **sections) -> Path:
+    path.write_text(yaml.safe_dump(sections))
+    return path
