@@ -1,12 +1,24 @@
 """The EC (embedding cache) connector: Redis-backed store of encoder outputs keyed by mm_hash."""
 
 from connector.client import RedisUnavailable, redact_url, wait_until_reachable
+from connector.ec import (
+    AsyncECConnector,
+    ConnectorError,
+    ECConnector,
+    PutResult,
+    connector_options,
+)
 from connector.embedded import EmbeddedRedis, EmbeddedServerError
 
 __all__ = [
+    "AsyncECConnector",
+    "ConnectorError",
+    "ECConnector",
     "EmbeddedRedis",
     "EmbeddedServerError",
+    "PutResult",
     "RedisUnavailable",
+    "connector_options",
     "redact_url",
     "wait_until_reachable",
 ]

@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(func=cmd_generate)
 
+    bench = sub.add_parser("bench", help="benchmarks; each prints one JSON object last")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    from connector.bench import add_parser as add_connector_bench
+
+    add_connector_bench(benches)
+
     cfg = sub.add_parser("config", help="print the effective configuration")
     cfg.add_argument("--config", help="cluster YAML file")
     cfg.add_argument("--env", action="store_true", help="list the EPD_ environment variables")

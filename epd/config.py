@@ -30,6 +30,26 @@ DType = Literal["auto", "bfloat16", "float16", "float32"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+class ByteSize(int):
+    """A size in bytes; the YAML may say 1073741824, "1GiB", "512MiB" or "64kB"."""
+
+    @classmethod
+    def parse(cls, value: str) -> ByteSize:
+        text = value.strip().lower().replace(" ", "")
+        number = text.rstrip("kmgtib")
+        unit = text[len(number) :]
+        if unit not in _SIZE_UNITS:
+            raise ValueError(value)
+        return cls(int(float(number) * _SIZE_UNITS[unit]))
+
+
+_ONE_GIB = ByteSize(1 << 30)
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot be used. `key` is the dotted path to it."""
 
@@ -96,6 +116,12 @@ class ConnectorConfig:
     ttl_seconds: int = 3600
     # How long a role waits at start-up for Redis to answer before it gives up.
     startup_wait_seconds: float = 60.0
+    # Per-command socket timeout, and retries (jittered exponential backoff) for transient
+    # errors before an operation fails with the URL and the cause.
+    op_timeout_seconds: float = 5.0
+    retries: int = 3
+    # The LM worker's in-process hot tier in front of Redis (0: off).
+    local_cache_bytes: ByteSize = _ONE_GIB
 
     def __post_init__(self):
         if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
@@ -109,6 +135,9 @@ class ConnectorConfig:
             )
         _check_positive("ttl_seconds", self.ttl_seconds)
         _check_positive("startup_wait_seconds", self.startup_wait_seconds)
+        _check_positive("op_timeout_seconds", self.op_timeout_seconds)
+        if self.retries < 0:
+            raise ConfigError("retries", f"must be >= 0, got {self.retries}")
 
 
 @dataclass(frozen=True)
@@ -229,6 +258,17 @@ def _coerce(tp: Any, value: Any, key: str, from_env: bool) -> Any:
         if not isinstance(value, list | tuple):
             raise ConfigError(key, f"expected a list, got {_describe(value)}")
         return tuple(_coerce(item_tp, v, f"{key}[{i}]", from_env) for i, v in enumerate(value))
+    if tp is ByteSize:
+        if isinstance(value, str):
+            try:
+                return ByteSize.parse(value)
+            except ValueError:
+                raise ConfigError(
+                    key, f"expected a size like 512MiB or 2GB, got {value!r}"
+                ) from None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(key, f"expected a size in bytes, got {_describe(value)}")
+        return ByteSize(value)
     if tp is bool:
         if from_env and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
@@ -402,6 +442,8 @@ def config_to_dict(config: Any) -> dict:
             return [plain(x) for x in v]
         if isinstance(v, dict):
             return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, ByteSize):
+            return int(v)
         return v
 
     return plain(dataclasses.asdict(config))
@@ -413,6 +455,7 @@ def dump_config(config: ClusterConfig, path: str | os.PathLike) -> None:
 
 __all__ = [
     "ENV_REGISTRY",
+    "ByteSize",
     "ClusterConfig",
     "ConfigError",
     "ConnectorConfig",

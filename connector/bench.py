@@ -1,0 +1,136 @@
+"""`epd bench connector`: the connector next to raw redis-py on the same bytes, same server.
+
+For each entry size: put vs raw SET and get_many vs raw GET of the very same bytes (the encoded
+entry), interleaved round by round so drift hits both sides alike; then local-tier hits vs a
+plain memory copy of the same bytes. Prints one line per figure and, last, one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import redis
+import torch
+
+from connector import wire
+from connector.ec import ECConnector
+from connector.embedded import EmbeddedRedis
+
+FP = "bench"
+
+
+def _interleaved(nbytes: int, baseline: Callable[[int], object], ours: Callable[[int], object],
+                 n: int) -> tuple[float, float]:  # fmt: skip
+    """GB/s of baseline(i) and ours(i), timed call by call in alternation over i in range(n), so
+    that whatever the server does meanwhile (allocation, eviction) hits both alike."""
+    spent = [0.0, 0.0]
+    for i in range(n):
+        for side, fn in enumerate((baseline, ours)):
+            started = time.perf_counter()
+            fn(i)
+            spent[side] += time.perf_counter() - started
+    return nbytes * n / spent[0] / 1e9, nbytes * n / spent[1] / 1e9
+
+
+def bench_size(url: str, size_mib: float, rounds: int) -> dict:
+    width = 2048
+    rows = max(1, int(size_mib * 2**20) // (2 * width))
+    tensor = torch.randn(rows, width).to(torch.bfloat16)
+    value = wire.encode(tensor)
+    raw = redis.Redis.from_url(url)
+    ours = ECConnector(url, FP, registry=None)
+    cached = ECConnector(url, FP, registry=None, local_tier_bytes=len(value) * 2)
+    n = max(3, int(64 * 2**20 // len(value)))  # about 64 MiB moved per round and side
+
+    put_raw, put_ours, get_raw, get_ours, memcpy, hit = ([] for _ in range(6))
+    raw.set("raw:get", value)
+    ours.put("get", tensor)
+    cached.get_many(["get"])  # into the local tier
+    dst = np.empty(len(value), dtype=np.uint8)
+    src = np.frombuffer(value, dtype=np.uint8)
+    for r in range(rounds):
+        a, b = _interleaved(
+            len(value),
+            lambda i, r=r: raw.set(f"raw:put:{r}:{i}", value),
+            lambda i, r=r: ours.put(f"put-{r}-{i}", tensor),
+            n,
+        )
+        put_raw.append(a)
+        put_ours.append(b)
+        raw.delete(*[f"raw:put:{r}:{i}" for i in range(n)])
+        ours.delete([f"put-{r}-{i}" for i in range(n)])
+        a, b = _interleaved(
+            len(value), lambda i: raw.get("raw:get"), lambda i: ours.get_many(["get"]), n
+        )
+        get_raw.append(a)
+        get_ours.append(b)
+        a, b = _interleaved(
+            len(value), lambda i: np.copyto(dst, src), lambda i: cached.get_many(["get"]), n * 10
+        )
+        memcpy.append(a)
+        hit.append(b)
+    raw.delete("raw:get")
+    ours.delete(["get"])
+    med = statistics.median
+    return {
+        "size_mib": size_mib,
+        "raw_set_gbps": med(put_raw),
+        "put_gbps": med(put_ours),
+        "raw_get_gbps": med(get_raw),
+        "get_gbps": med(get_ours),
+        "local_hit_gbps": med(hit),
+        "memcpy_gbps": med(memcpy),
+        "put_vs_raw_set": med(put_ours) / med(put_raw),
+        "get_vs_raw_get": med(get_ours) / med(get_raw),
+        "local_hit_vs_memcpy": med(hit) / med(memcpy),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [float(s) for s in args.sizes.split(",")]
+    server = None
+    url = args.redis_url
+    if url is None:
+        server = EmbeddedRedis().start()
+        url = server.url
+    try:
+        results = []
+        for size in sizes:
+            r = bench_size(url, size, args.rounds)
+            results.append(r)
+            print(
+                f"{size:g} MiB  put {r['put_gbps']:.2f} GB/s vs raw SET {r['raw_set_gbps']:.2f}"
+                f" ({r['put_vs_raw_set']:.2f}x)   get {r['get_gbps']:.2f} GB/s vs raw GET "
+                f"{r['raw_get_gbps']:.2f} ({r['get_vs_raw_get']:.2f}x)   local hit "
+                f"{r['local_hit_gbps']:.1f} GB/s vs memcpy {r['memcpy_gbps']:.1f}"
+                f" ({r['local_hit_vs_memcpy']:.1f}x)",
+                flush=True,
+            )
+    finally:
+        if server is not None:
+            server.stop()
+    summary = {
+        "bench": "connector",
+        "server": "embedded valkey" if server is not None else "external",
+        "get_vs_raw_get": {f"{r['size_mib']:g}MiB": round(r["get_vs_raw_get"], 3) for r in results},
+        "put_vs_raw_set": {f"{r['size_mib']:g}MiB": round(r["put_vs_raw_set"], 3) for r in results},
+        "local_hit_vs_memcpy": {
+            f"{r['size_mib']:g}MiB": round(r["local_hit_vs_memcpy"], 2) for r in results
+        },
+        "results": results,
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("connector", help="connector put/get vs raw redis-py, local tier vs memcpy")
+    p.add_argument("--redis-url", help="benchmark this Redis (default: an embedded one)")
+    p.add_argument("--sizes", default="0.25,4,16", help="entry sizes in MiB (default 0.25,4,16)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians reported")
+    p.set_defaults(func=run)
