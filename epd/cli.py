@@ -4,6 +4,7 @@ epd up                      a whole cluster on this machine (embedded Redis by d
 epd proxy|encoder|lm        one role, as compose and Kubernetes run them
 epd generate PROMPT         a client: streams the answer from a running cluster
 epd config                  print the effective configuration, or the EPD_ variables
+epd make-model OUT          write a random checkpoint (Hugging Face layout) for tests / benchmarks
 """
 
 from __future__ import annotations
@@ -90,6 +91,22 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_model(args: argparse.Namespace) -> int:
+    import time
+
+    from models import make_checkpoint
+
+    start = time.monotonic()
+    try:
+        out = make_checkpoint(args.out, args.arch, args.size, args.seed)
+    except (FileExistsError, ValueError) as e:
+        print(f"epd make-model: {e}", file=sys.stderr)
+        return 2
+    elapsed = time.monotonic() - start
+    print(f"wrote {args.arch} {args.size} (seed {args.seed}) to {out} in {elapsed:.1f}s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -150,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--config", help="cluster YAML file")
     cfg.add_argument("--env", action="store_true", help="list the EPD_ environment variables")
     cfg.set_defaults(func=cmd_config)
+
+    mk = sub.add_parser("make-model", help="write a random checkpoint (tests, benchmarks)")
+    mk.add_argument("out", help="output directory (created; must be empty)")
+    mk.add_argument("--arch", choices=["qwen2_5_vl", "qwen2_vl"], default="qwen2_5_vl")
+    mk.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.set_defaults(func=cmd_make_model)
     return parser
 
 

@@ -1,0 +1,521 @@
+"""Write a random Qwen2-VL / Qwen2.5-VL checkpoint in the Hugging Face layout.
+
+No machine here can download weights, so tests and benchmarks run on checkpoints this module
+writes: config.json, generation_config.json, model.safetensors (or shards plus
+model.safetensors.index.json), tokenizer.json (a byte-level BPE trained here on a built-in
+corpus, with the family's special tokens), tokenizer_config.json with a chat template in the
+Qwen2-VL format, preprocessor_config.json and video_preprocessor_config.json. transformers'
+`from_pretrained` loads the directory as it would a downloaded one.
+
+Sizes: `tiny` (tests; milliseconds) and `small` (the benchmark model, ~100M LM parameters).
+The same (arch, size, seed) always gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer as _HFTokenizer
+
+Arch = Literal["qwen2_vl", "qwen2_5_vl"]
+Size = Literal["tiny", "small"]
+
+ARCH_CLASSES = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
+
+# The family's added tokens, in the family's order, after the BPE vocabulary.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Qwen2's pre-tokenizer split: contractions, letter runs (with one leading non-letter), single
+# digits, punctuation runs, newlines, other whitespace.
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# The Qwen2-VL prompt format: a default system turn, ChatML turns, one vision placeholder per
+# media part (optionally numbered with add_vision_id).
+CHAT_TEMPLATE = (
+    "{%- set seen = namespace(images=0, videos=0) -%}\n"
+    "{%- for message in messages -%}\n"
+    "{%- if loop.first and message['role'] != 'system' -%}\n"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}\n"
+    "{%- endif -%}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}\n"
+    "{%- if message['content'] is string -%}\n"
+    "{{- message['content'] -}}\n"
+    "{%- else -%}\n"
+    "{%- for part in message['content'] -%}\n"
+    "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}\n"
+    "{%- set seen.images = seen.images + 1 -%}\n"
+    "{%- if add_vision_id -%}{{- 'Picture ' ~ seen.images ~ ': ' -}}{%- endif -%}\n"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}\n"
+    "{%- elif part['type'] == 'video' or 'video' in part -%}\n"
+    "{%- set seen.videos = seen.videos + 1 -%}\n"
+    "{%- if add_vision_id -%}{{- 'Video ' ~ seen.videos ~ ': ' -}}{%- endif -%}\n"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}\n"
+    "{%- elif 'text' in part -%}\n"
+    "{{- part['text'] -}}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- endif -%}\n"
+    "{{- '<|im_end|>\\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "{{- '<|im_start|>assistant\\n' -}}\n"
+    "{%- endif -%}\n"
+)
+
+# Text for the tokenizer's merges: plain prose (ours), then made-up words for vocabulary size.
+_PROSE = """\
+The cluster splits serving into three roles. Encoders turn images and video frames into
+embeddings; language model workers prefill prompts and decode tokens; a proxy in front hashes
+every media item, asks the cache what it already holds and routes the rest. Describe the image.
+What is in this picture? How many people are there, and what are they doing? Summarise the video
+in two sentences. Write a short poem about the sea at night. Explain why the sky is blue.
+A red bicycle leans against a white wall, next to a green door and a small window. 0123456789
+Numbers, dates (2024-05-17), prices ($3.50), e-mail@example.com, code: x = f(y) + 2 * z;
+Café, naïve, résumé, über, señor. Questions? Answers! Lists: one, two, three.
+"""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sizes of one checkpoint."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    mrope_section: tuple[int, int, int]
+    tie_word_embeddings: bool
+    vision_depth: int
+    vision_hidden: int
+    vision_heads: int
+    vision_intermediate: int  # Qwen2.5-VL MLP width; Qwen2-VL uses vision_hidden * mlp_ratio
+    vision_mlp_ratio: int
+    window_size: int
+    fullatt_block_indexes: tuple[int, ...]
+    max_pixels: int
+    video_max_pixels: int
+    min_pixels: int = 56 * 56
+    # Shard the weights when they exceed this many bytes (exercises the index path).
+    max_shard_bytes: int | None = None
+
+
+SHAPES: dict[str, Shape] = {
+    "tiny": Shape(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        mrope_section=(2, 3, 3),
+        tie_word_embeddings=False,
+        vision_depth=3,
+        vision_hidden=32,
+        vision_heads=2,
+        vision_intermediate=64,
+        vision_mlp_ratio=2,
+        window_size=56,  # 2x2 merged tokens per window
+        fullatt_block_indexes=(1,),
+        max_pixels=28 * 28 * 64,
+        video_max_pixels=28 * 28 * 16,
+    ),
+    "small": Shape(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=2,
+        mrope_section=(8, 12, 12),
+        tie_word_embeddings=True,
+        vision_depth=8,
+        vision_hidden=384,
+        vision_heads=6,
+        vision_intermediate=1024,
+        vision_mlp_ratio=2,
+        window_size=112,
+        fullatt_block_indexes=(3, 7),
+        max_pixels=28 * 28 * 256,
+        video_max_pixels=28 * 28 * 128,
+        max_shard_bytes=200 * 1024 * 1024,
+    ),
+}
+
+# Random weights are N(0, INIT_STD); NOTE: three times the usual 0.02, so that greedy
+# decoding has clear logit gaps and comparisons with the reference do not hinge on ties.
+INIT_STD = 0.06
+ROPE_THETA = 1_000_000.0
+# Bump when what make_checkpoint writes changes (the built-in model's cache path has it).
+FORMAT_VERSION = 1
+TOKENS_PER_SECOND = 2
+
+
+def make_checkpoint(
+    out_dir: str | Path, arch: Arch, size: Size = "tiny", seed: int = 0, **overrides: Any
+) -> Path:
+    """Write a random checkpoint into `out_dir` (created; must be empty) and return it.
+
+    `overrides` replace fields of the size's `Shape` (e.g. tie_word_embeddings=True).
+    """
+    if arch not in ARCH_CLASSES:
+        raise ValueError(f"arch must be one of {sorted(ARCH_CLASSES)}, got {arch!r}")
+    if size not in SHAPES:
+        raise ValueError(f"size must be one of {sorted(SHAPES)}, got {size!r}")
+    shape = replace(SHAPES[size], **overrides)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty")
+    tokenizer = train_tokenizer(shape.vocab_size - len(SPECIAL_TOKENS))
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    _write_json(out / "config.json", _config(arch, shape, ids))
+    _write_json(out / "generation_config.json", _generation_config(ids))
+    _write_weights(out, _random_weights(arch, shape, seed), shape.max_shard_bytes)
+    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(ids))
+    image_proc, video_proc = _processor_configs(arch, shape)
+    _write_json(out / "preprocessor_config.json", image_proc)
+    _write_json(out / "video_preprocessor_config.json", video_proc)
+    return out
+
+
+def count_parameters(out_dir: str | Path) -> dict[str, int]:
+    """Parameters per role of a checkpoint (the LM counts a tied head once)."""
+    from models.checkpoint import local_name, read_header, weight_map
+
+    root = Path(out_dir)
+    counts = {"vision": 0, "lm": 0}
+    for file in sorted(set(weight_map(root).values())):
+        for name, info in read_header(root / file)[0].items():
+            numel = 1
+            for d in info["shape"]:
+                numel *= d
+            role = "vision" if local_name(name, "vision") is not None else "lm"
+            counts[role] += numel
+    return counts
+
+
+# -- tokenizer ---------------------------------------------------------------------------------
+
+
+def corpus(num_words: int) -> list[str]:
+    """The built-in training text: the prose above, then deterministic made-up words."""
+    rng = random.Random(1234)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
+    syllables += ["th", "ch", "sh", "qu", "ng", "st", "tr"]
+    lines = _PROSE.splitlines(keepends=True) * 4
+    line: list[str] = []
+    for i in range(num_words):
+        word = "".join(rng.choice(syllables) for _ in range(rng.randint(1, 4)))
+        line.append(word.capitalize() if i % 11 == 0 else word)
+        if len(line) == 12:
+            lines.append(" ".join(line) + rng.choice([". ", ", ", "? ", "!\n", ".\n"]))
+            line = []
+    return lines
+
+
+def train_tokenizer(bpe_size: int) -> _HFTokenizer:
+    """A byte-level BPE with `bpe_size` tokens, then the family's special tokens."""
+    tok = _HFTokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=bpe_size,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    # About 12 words per learned merge is enough text to fill the vocabulary.
+    tok.train_from_iterator(corpus(max(2000, bpe_size * 12)), trainer)
+    if tok.get_vocab_size() != bpe_size:
+        raise RuntimeError(f"BPE training gave {tok.get_vocab_size()} tokens, wanted {bpe_size}")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+def _tokenizer_config(ids: dict[str, int]) -> dict[str, Any]:
+    added = {
+        str(token_id): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for token, token_id in ids.items()
+    }
+    return {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 32768,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+
+
+# -- configs -----------------------------------------------------------------------------------
+
+
+def _config(arch: Arch, s: Shape, ids: dict[str, int]) -> dict[str, Any]:
+    text = {
+        "attention_dropout": 0.0,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "hidden_act": "silu",
+        "hidden_size": s.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": s.intermediate_size,
+        "max_position_embeddings": 32768,
+        "model_type": f"{arch}_text",
+        "num_attention_heads": s.num_heads,
+        "num_hidden_layers": s.num_layers,
+        "num_key_value_heads": s.num_kv_heads,
+        "pad_token_id": ids["<|endoftext|>"],
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "mrope_section": list(s.mrope_section),
+            "rope_theta": ROPE_THETA,
+            "rope_type": "default",
+        },
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": s.vocab_size,
+    }
+    vision: dict[str, Any] = {
+        "depth": s.vision_depth,
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "model_type": f"{arch}_vision",
+        "num_heads": s.vision_heads,
+        "patch_size": 14,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    if arch == "qwen2_vl":
+        vision |= {
+            "embed_dim": s.vision_hidden,
+            "hidden_act": "quick_gelu",
+            "hidden_size": s.hidden_size,
+            "mlp_ratio": s.vision_mlp_ratio,
+        }
+    else:
+        vision |= {
+            "fullatt_block_indexes": list(s.fullatt_block_indexes),
+            "hidden_act": "silu",
+            "hidden_size": s.vision_hidden,
+            "intermediate_size": s.vision_intermediate,
+            "out_hidden_size": s.hidden_size,
+            "tokens_per_second": TOKENS_PER_SECOND,
+            "window_size": s.window_size,
+        }
+    return {
+        "architectures": [ARCH_CLASSES[arch]],
+        "dtype": "float32",
+        "image_token_id": ids["<|image_pad|>"],
+        "model_type": arch,
+        "text_config": text,
+        "tie_word_embeddings": s.tie_word_embeddings,
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_config": dict(sorted(vision.items())),
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+    }
+
+
+def _generation_config(ids: dict[str, int]) -> dict[str, Any]:
+    return {
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+
+
+def _processor_configs(arch: Arch, s: Shape) -> tuple[dict[str, Any], dict[str, Any]]:
+    processor = "Qwen2_5_VLProcessor" if arch == "qwen2_5_vl" else "Qwen2VLProcessor"
+    common = {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "merge_size": 2,
+        "patch_size": 14,
+        "processor_class": processor,
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "temporal_patch_size": 2,
+    }
+    image = common | {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "size": {"longest_edge": s.max_pixels, "shortest_edge": s.min_pixels},
+    }
+    video = common | {
+        "do_sample_frames": False,
+        "size": {"longest_edge": s.video_max_pixels, "shortest_edge": s.min_pixels},
+        "video_processor_type": "Qwen2VLVideoProcessor",
+    }
+    return image, video
+
+
+# -- weights -----------------------------------------------------------------------------------
+
+
+def _tensor_shapes(arch: Arch, s: Shape) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint, under the released checkpoints' names."""
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (s.vocab_size, s.hidden_size)
+    }
+    kv = s.num_kv_heads * (s.hidden_size // s.num_heads)
+    for i in range(s.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (s.hidden_size,),
+            p + "post_attention_layernorm.weight": (s.hidden_size,),
+            p + "self_attn.q_proj.weight": (s.hidden_size, s.hidden_size),
+            p + "self_attn.q_proj.bias": (s.hidden_size,),
+            p + "self_attn.k_proj.weight": (kv, s.hidden_size),
+            p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.weight": (kv, s.hidden_size),
+            p + "self_attn.v_proj.bias": (kv,),
+            p + "self_attn.o_proj.weight": (s.hidden_size, s.hidden_size),
+            p + "mlp.gate_proj.weight": (s.intermediate_size, s.hidden_size),
+            p + "mlp.up_proj.weight": (s.intermediate_size, s.hidden_size),
+            p + "mlp.down_proj.weight": (s.hidden_size, s.intermediate_size),
+        }
+    shapes["model.norm.weight"] = (s.hidden_size,)
+    if not s.tie_word_embeddings:
+        shapes["lm_head.weight"] = (s.vocab_size, s.hidden_size)
+
+    e = s.vision_hidden
+    shapes["visual.patch_embed.proj.weight"] = (e, 3, 2, 14, 14)
+    for i in range(s.vision_depth):
+        p = f"visual.blocks.{i}."
+        shapes |= {
+            p + "norm1.weight": (e,),
+            p + "norm2.weight": (e,),
+            p + "attn.qkv.weight": (3 * e, e),
+            p + "attn.qkv.bias": (3 * e,),
+            p + "attn.proj.weight": (e, e),
+            p + "attn.proj.bias": (e,),
+        }
+        if arch == "qwen2_vl":
+            mlp = e * s.vision_mlp_ratio
+            shapes |= {
+                p + "norm1.bias": (e,),
+                p + "norm2.bias": (e,),
+                p + "mlp.fc1.weight": (mlp, e),
+                p + "mlp.fc1.bias": (mlp,),
+                p + "mlp.fc2.weight": (e, mlp),
+                p + "mlp.fc2.bias": (e,),
+            }
+        else:
+            mlp = s.vision_intermediate
+            shapes |= {
+                p + "mlp.gate_proj.weight": (mlp, e),
+                p + "mlp.gate_proj.bias": (mlp,),
+                p + "mlp.up_proj.weight": (mlp, e),
+                p + "mlp.up_proj.bias": (mlp,),
+                p + "mlp.down_proj.weight": (e, mlp),
+                p + "mlp.down_proj.bias": (e,),
+            }
+    merged = 4 * e
+    shapes |= {
+        "visual.merger.ln_q.weight": (e,),
+        "visual.merger.mlp.0.weight": (merged, merged),
+        "visual.merger.mlp.0.bias": (merged,),
+        "visual.merger.mlp.2.weight": (s.hidden_size, merged),
+        "visual.merger.mlp.2.bias": (s.hidden_size,),
+    }
+    if arch == "qwen2_vl":
+        shapes["visual.merger.ln_q.bias"] = (e,)
+    return shapes
+
+
+def _random_weights(arch: Arch, s: Shape, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(_tensor_shapes(arch, s).items()):
+        if "norm" in name or "ln_q" in name:
+            # Norm scales near one (bias near zero), not exactly, so a swapped tensor shows.
+            t = torch.rand(shape, generator=gen) * 0.4 + (0.8 if name.endswith("weight") else -0.2)
+        else:
+            t = torch.randn(shape, generator=gen) * INIT_STD
+        out[name] = t.contiguous()
+    return out
+
+
+def _write_weights(
+    out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None
+) -> None:
+    names = sorted(tensors)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    if len(shards) == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n] for n in shard}, str(out / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    _write_json(out / "model.safetensors.index.json", index)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")

@@ -1,0 +1,295 @@
+"""Image and video preprocessing for the Qwen2-VL family, numerically equal to the reference.
+
+The reference is transformers' `Qwen2VLImageProcessorPil`: convert to RGB (compositing any
+transparency onto white), resize with Pillow to a `smart_resize` size (sides multiples of
+patch_size * merge_size, pixel count within [min_pixels, max_pixels]), rescale in float64 then
+cast to float32, normalize in float32, and cut into patches of temporal_patch_size frames.
+
+`pixel_values` rows are patches in merge-block order (grid_t, h / m, w / m, m, m); each row is
+the (channel, frame, row, column) flattening of one patch: C * T * P * P values. A still image is
+a clip of T copies of itself; a video whose frame count is not a multiple of T repeats its last
+frame.
+
+The grid (and so the placeholder count) of an item needs only its header: the proxy calls
+`MediaProcessor.image_grid` before any decoding. Every problem with the bytes raises
+`MediaError`, which the servers map to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from PIL import Image
+
+from models.config import CheckpointError, ProcessorConfig, load_processor_configs
+
+Modality = Literal["image", "video"]
+
+# Our own decompression-bomb limit, checked on the header before any pixel is decoded.
+# NOTE: keep it under twice Pillow's global MAX_IMAGE_PIXELS (179 MP), where Pillow refuses too.
+DEFAULT_MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+DEFAULT_MAX_FRAMES = 768
+# The reference refuses more extreme shapes in smart_resize.
+MAX_ASPECT_RATIO = 200
+# Processor kwargs a request may set per item.
+ITEM_KWARGS = frozenset({"min_pixels", "max_pixels", "size"})
+
+
+class MediaError(ValueError):
+    """Media bytes or per-item settings we cannot use. `reason` says what is wrong."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(reason)
+
+
+@dataclass(frozen=True)
+class MediaGrid:
+    """What an item becomes, known from its header: the patch grid and its placeholder count."""
+
+    modality: Modality
+    grid_thw: tuple[int, int, int]  # patches along (time, height, width)
+    num_tokens: int  # placeholder tokens = grid_t * grid_h * grid_w / merge_size**2
+    # Video only: seconds covered by one temporal patch (temporal_patch_size / fps).
+    second_per_grid_t: float | None = None
+
+
+@dataclass(frozen=True)
+class ProcessedMedia:
+    grid: MediaGrid
+    pixel_values: torch.Tensor  # [grid_t * grid_h * grid_w, C * T * P * P] float32
+
+
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """The resized (height, width): multiples of `factor`, within the pixel budget, aspect kept."""
+    if min(height, width) <= 0:
+        raise MediaError(f"image has a zero side ({width}x{height})")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise MediaError(
+            f"image aspect ratio {max(height, width) / min(height, width):.1f} is above "
+            f"{MAX_ASPECT_RATIO} ({width}x{height})"
+        )
+    # NOTE: Python's round() (half to even), as the reference.
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+class MediaProcessor:
+    """One checkpoint's image and video preprocessing, with the per-item kwargs it honours."""
+
+    def __init__(
+        self,
+        image_config: ProcessorConfig,
+        video_config: ProcessorConfig,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        max_frames: int = DEFAULT_MAX_FRAMES,
+    ):
+        self.image_config = image_config
+        self.video_config = video_config
+        self.max_image_pixels = max_image_pixels
+        self.max_frames = max_frames
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir: str | Path, **limits: int) -> MediaProcessor:
+        image, video = load_processor_configs(checkpoint_dir)
+        return cls(image, video, **limits)
+
+    # -- header only ---------------------------------------------------------------------------
+
+    def image_grid(self, data: bytes, kwargs: dict[str, Any] | None = None) -> MediaGrid:
+        """The grid and placeholder count of an encoded image, from its header alone."""
+        cfg = self._config("image", kwargs)
+        with self._open(data) as image:
+            width, height = image.size
+        return self._grid("image", 1, height, width, cfg)
+
+    def video_grid(
+        self, frames: Sequence[bytes], fps: float, kwargs: dict[str, Any] | None = None
+    ) -> MediaGrid:
+        """The grid and placeholder count of a video given as encoded frames, from headers."""
+        cfg = self._config("video", kwargs)
+        self._check_video(frames, fps)
+        sizes = set()
+        for data in frames:
+            with self._open(data) as image:
+                sizes.add(image.size)
+        if len(sizes) != 1:
+            raise MediaError(f"video frames differ in size: {sorted(sizes)}")
+        ((width, height),) = sizes
+        return self._grid("video", len(frames), height, width, cfg, fps)
+
+    # -- full preprocessing --------------------------------------------------------------------
+
+    def process_image(self, data: bytes, kwargs: dict[str, Any] | None = None) -> ProcessedMedia:
+        grid = self.image_grid(data, kwargs)
+        cfg = self._config("image", kwargs)
+        return ProcessedMedia(grid, _pixel_values([self._decode(data)], grid, cfg))
+
+    def process_video(
+        self, frames: Sequence[bytes], fps: float, kwargs: dict[str, Any] | None = None
+    ) -> ProcessedMedia:
+        grid = self.video_grid(frames, fps, kwargs)  # checks every frame's header first
+        cfg = self._config("video", kwargs)
+        # Frames are decoded one at a time and resized at once: only resized ones are kept.
+        decoded = (self._decode(data) for data in frames)
+        return ProcessedMedia(grid, _pixel_values(decoded, grid, cfg))
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _config(self, modality: Modality, kwargs: dict[str, Any] | None) -> ProcessorConfig:
+        base = self.image_config if modality == "image" else self.video_config
+        if not kwargs:
+            return base
+        unknown = set(kwargs) - ITEM_KWARGS
+        size = kwargs.get("size")
+        if isinstance(size, dict):
+            unknown |= {f"size.{k}" for k in set(size) - {"shortest_edge", "longest_edge"}}
+        if unknown:
+            raise MediaError(
+                f"unknown {modality} processor kwargs {sorted(unknown)}; "
+                f"allowed: {sorted(ITEM_KWARGS)}"
+            )
+        try:
+            return base.with_overrides(kwargs)
+        except (CheckpointError, TypeError, ValueError) as e:
+            raise MediaError(f"bad {modality} processor kwargs {kwargs}: {e}") from e
+
+    def _check_video(self, frames: Sequence[bytes], fps: float) -> None:
+        if not frames:
+            raise MediaError("video has no frames")
+        if len(frames) > self.max_frames:
+            raise MediaError(f"video has {len(frames)} frames, more than {self.max_frames}")
+        if not (isinstance(fps, int | float) and math.isfinite(fps) and fps > 0):
+            raise MediaError(f"video fps must be a positive number, got {fps!r}")
+
+    def _grid(
+        self,
+        modality: Modality,
+        num_frames: int,
+        height: int,
+        width: int,
+        cfg: ProcessorConfig,
+        fps: float | None = None,
+    ) -> MediaGrid:
+        if cfg.do_resize:
+            height, width = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+        elif height % cfg.factor or width % cfg.factor:
+            raise MediaError(
+                f"with resizing off, sides must be multiples of {cfg.factor}, got {width}x{height}"
+            )
+        t = cfg.temporal_patch_size
+        grid = (-(-num_frames // t), height // cfg.patch_size, width // cfg.patch_size)
+        tokens = grid[0] * grid[1] * grid[2] // cfg.merge_size**2
+        second_per_grid_t = t / fps if fps is not None else None
+        return MediaGrid(modality, grid, tokens, second_per_grid_t)
+
+    def _open(self, data: bytes) -> Image.Image:
+        """Open (header only) and check the size against the decompression-bomb limit."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise MediaError(f"media must be bytes, got {type(data).__name__}")
+        if len(data) == 0:
+            raise MediaError("media is empty (0 bytes)")
+        try:
+            with warnings.catch_warnings():
+                # Our limit decides (below); Pillow's hard limit (2x its global) still applies.
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as e:
+            raise MediaError(f"image is too large (decompression bomb protection): {e}") from e
+        except Image.UnidentifiedImageError:
+            raise MediaError(
+                f"not a recognised image format ({len(data)} bytes starting {bytes(data[:8])!r})"
+            ) from None
+        except (OSError, ValueError, SyntaxError) as e:
+            raise MediaError(f"unreadable image header: {e}") from e
+        width, height = image.size
+        if width <= 0 or height <= 0:
+            image.close()
+            raise MediaError(f"image has a zero side ({width}x{height})")
+        if width * height > self.max_image_pixels:
+            image.close()
+            raise MediaError(
+                f"image is {width}x{height} = {width * height} pixels, above the limit of "
+                f"{self.max_image_pixels} (decompression bomb protection)"
+            )
+        return image
+
+    def _decode(self, data: bytes) -> Image.Image:
+        """Decode fully and convert to RGB the way the reference does."""
+        image = self._open(data)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image.load()
+                return to_rgb(image)
+        except MediaError:
+            raise
+        except Exception as e:  # Pillow raises many types for corrupt data
+            raise MediaError(f"image data is corrupt or truncated: {e}") from e
+        finally:
+            image.close()
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with any transparency composited onto a white background (as the reference)."""
+    # NOTE: the reference treats any band named "A" as alpha, so LAB images take this path too.
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def _pixel_values(
+    frames: Iterable[Image.Image], grid: MediaGrid, cfg: ProcessorConfig
+) -> torch.Tensor:
+    _, grid_h, grid_w = grid.grid_thw
+    height, width = grid_h * cfg.patch_size, grid_w * cfg.patch_size
+    arrays = []
+    for frame in frames:
+        if frame.size != (width, height):
+            frame = frame.resize((width, height), resample=Image.Resampling(cfg.resample))
+        x = np.asarray(frame)  # [H, W, 3] uint8
+        if cfg.do_rescale:
+            # NOTE: float64 multiply then float32, exactly as the reference rounds.
+            x = (x.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
+        else:
+            x = x.astype(np.float32)
+        if cfg.do_normalize:
+            mean = np.asarray(cfg.image_mean, dtype=np.float32)
+            std = np.asarray(cfg.image_std, dtype=np.float32)
+            x = (x - mean) / std
+        arrays.append(x)
+    return torch.from_numpy(patchify(np.stack(arrays), cfg))
+
+
+def patchify(frames: np.ndarray, cfg: ProcessorConfig) -> np.ndarray:
+    """[F, H, W, C] frames -> [grid_t * grid_h * grid_w, C * T * P * P] patches."""
+    t, m, p = cfg.temporal_patch_size, cfg.merge_size, cfg.patch_size
+    if pad := -len(frames) % t:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+    num_frames, height, width, channels = frames.shape
+    gt, gh, gw = num_frames // t, height // p, width // p
+    x = frames.reshape(gt, t, gh // m, m, p, gw // m, m, p, channels)
+    # -> (gt, gh/m, gw/m, m_h, m_w, C, T, P_h, P_w)
+    x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    return np.ascontiguousarray(x.reshape(gt * gh * gw, channels * t * p * p))

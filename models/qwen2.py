@@ -1,0 +1,175 @@
+"""The Qwen2 decoder both families share, in the engine's flattened token layout.
+
+No batch dimension: a step is T tokens of any number of sequences packed back to back, with
+M-RoPE positions [3, T]. Attention goes through the `AttentionBackend` given at construction,
+which owns the KV cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.attention import AttentionBackend
+from models.checkpoint import load_tensors
+from models.config import CheckpointError, TextConfig, load_arch_config
+from models.rope import MRotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: normalised in float32, cast back, then scaled: the reference's rounding order.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Qwen2Attention(nn.Module):
+    def __init__(self, config: TextConfig, layer_idx: int, backend: AttentionBackend):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.backend = backend
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        hidden, kv = config.hidden_size, config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(hidden, config.num_heads * config.head_dim, bias=True)
+        self.k_proj = nn.Linear(hidden, kv, bias=True)
+        self.v_proj = nn.Linear(hidden, kv, bias=True)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, hidden, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: Any
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.backend(self.layer_idx, q, k, v, attn_metadata)  # [T, heads, head_dim]
+        return self.o_proj(out.reshape(T, -1))
+
+
+class Qwen2MLP(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, layer_idx: int, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Qwen2Attention(config, layer_idx, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Qwen2MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: Any
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2LanguageModel(nn.Module):
+    """The LM of Qwen2-VL and Qwen2.5-VL: embeddings, decoder, final norm, LM head."""
+
+    # Capabilities the engine reads once.
+    requires_raw_input_tokens = False
+    supports_realtime = False
+    supports_multimodal_pruning = False
+
+    def __init__(self, config: TextConfig, attn_backend: AttentionBackend):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Qwen2DecoderLayer(config, i, attn_backend) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rotary = MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        checkpoint_dir: str | Path,
+        attn_backend: AttentionBackend,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> Qwen2LanguageModel:
+        """Build the LM and load its tensors (never the vision tower's)."""
+        config = load_arch_config(checkpoint_dir).text
+        with torch.device("meta"):
+            model = cls(config, attn_backend)
+        model.load_weights(load_tensors(checkpoint_dir, "lm", dtype, device))
+        return model.to(device).eval()
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take the checkpoint's LM tensors (local names) as this model's parameters."""
+        tensors = dict(tensors)
+        if self.lm_head is None:
+            # Tied: the head is the embedding matrix; a saved copy is redundant.
+            tensors.pop("lm_head.weight", None)
+        elif "lm_head.weight" not in tensors:
+            raise CheckpointError("untied checkpoint without lm_head.weight")
+        missing, unexpected = self.load_state_dict(tensors, strict=False, assign=True)
+        if missing or unexpected:
+            raise CheckpointError(
+                f"LM tensors do not match the config: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
+
+    def embed_input_ids(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        mm_embeds: list[torch.Tensor] | None = None,  # each [n_i, hidden]
+        is_mm_embed: torch.Tensor | None = None,  # [T] bool, sum == sum(n_i)
+    ) -> torch.Tensor:  # [T, hidden]
+        embeds = self.embed_tokens(input_ids)
+        if mm_embeds:
+            assert is_mm_embed is not None, "mm_embeds need is_mm_embed"
+            rows = torch.cat(mm_embeds).to(embeds.dtype)
+            count = int(is_mm_embed.sum())
+            if count != rows.shape[0]:
+                raise ValueError(f"{count} rows marked multimodal but {rows.shape[0]} embeddings")
+            embeds = embeds.masked_scatter(is_mm_embed[:, None], rows)
+        return embeds
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # [T]
+        positions: torch.Tensor,  # [3, T] (M-RoPE) or [T]
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]
+        attn_metadata: Any = None,
+        intermediate_tensors: Any = None,
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        assert intermediate_tensors is None, "pipeline parallelism is not supported"
+        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn_metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, vocab]
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

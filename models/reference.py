@@ -1,0 +1,279 @@
+"""The reference generation path: our whole model, end to end, with no engine around it.
+
+preprocess media -> vision tower -> merge embeddings into the prompt -> LM with M-RoPE ->
+greedy or sampled tokens, with the contiguous KV cache of `ContiguousKVAttention`. Tests hold
+it token for token against transformers; the LM worker's tests use it for expected outputs.
+
+    model = ReferenceModel("path/to/checkpoint")
+    ids = model.generate(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}],
+        media=[ImageItem(png_bytes)],
+        max_new_tokens=32,
+    )
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.attention import ContiguousKVAttention
+from models.config import load_arch_config
+from models.processing import MediaProcessor, ProcessedMedia
+from models.qwen2 import Qwen2LanguageModel
+from models.rope import MediaSpan, mrope_decode_positions, mrope_positions, num_placeholder_tokens
+from models.tokenizer import Tokenizer, expand_placeholders
+from models.vision import VisionTower
+
+# A prompt: chat messages (rendered with the checkpoint's template), raw text, or token ids.
+# Each media item appears as one <|image_pad|> / <|video_pad|> token.
+Prompt = Sequence[dict[str, Any]] | str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class ImageItem:
+    data: bytes  # an encoded image (PNG, JPEG, ...)
+    kwargs: dict[str, Any] | None = None  # min_pixels / max_pixels for this item
+
+
+@dataclass(frozen=True)
+class VideoItem:
+    frames: tuple[bytes, ...]  # encoded frames, all the same size
+    fps: float
+    kwargs: dict[str, Any] | None = None
+
+
+MediaItem = ImageItem | VideoItem
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class PreparedPrompt:
+    """A prompt with its placeholders expanded and its media preprocessed."""
+
+    token_ids: list[int]  # expanded
+    media: list[ProcessedMedia]
+    spans: list[MediaSpan] = field(default_factory=list)  # one per media item, in order
+
+
+class ReferenceModel:
+    """One checkpoint's tokenizer, processor, vision tower and LM, loaded once."""
+
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        self.arch = load_arch_config(checkpoint_dir)
+        self.tokenizer = Tokenizer.from_dir(checkpoint_dir)
+        self.processor = MediaProcessor.from_checkpoint(checkpoint_dir)
+        self.tower = VisionTower.from_checkpoint(checkpoint_dir, dtype, device)
+        self.attention = ContiguousKVAttention(self.arch.text.num_layers)
+        self.lm = Qwen2LanguageModel.from_checkpoint(checkpoint_dir, self.attention, dtype, device)
+        self.device = torch.device(device)
+        self._next_seq_id = 0
+
+    # -- prompt preparation --------------------------------------------------------------------
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids with one placeholder per media item (not yet expanded)."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt))
+        return [int(t) for t in prompt]
+
+    def prepare(self, prompt: Prompt, media: Sequence[MediaItem] = ()) -> PreparedPrompt:
+        ids = self.prompt_ids(prompt)
+        tokens = self.arch.tokens
+        placeholders = [t for t in ids if t in (tokens.image_token_id, tokens.video_token_id)]
+        if len(placeholders) != len(media):
+            raise ValueError(f"the prompt has {len(placeholders)} placeholders, {len(media)} items")
+        processed = []
+        for token, item in zip(placeholders, media, strict=True):
+            if isinstance(item, ImageItem):
+                if token != tokens.image_token_id:
+                    raise ValueError("an image item sits at a video placeholder")
+                processed.append(self.processor.process_image(item.data, item.kwargs))
+            else:
+                if token != tokens.video_token_id:
+                    raise ValueError("a video item sits at an image placeholder")
+                processed.append(self.processor.process_video(item.frames, item.fps, item.kwargs))
+        expanded, runs = expand_placeholders(
+            ids,
+            (tokens.image_token_id, tokens.video_token_id),
+            [m.grid.num_tokens for m in processed],
+        )
+        spans = [
+            MediaSpan(offset, m.grid.grid_thw, m.grid.modality, m.grid.second_per_grid_t)
+            for (offset, _), m in zip(runs, processed, strict=True)
+        ]
+        return PreparedPrompt(expanded, processed, spans)
+
+    # -- running -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def embed_media(self, media: Sequence[ProcessedMedia]) -> list[torch.Tensor]:
+        """All items through the tower in one forward."""
+        if not media:
+            return []
+        pixels = torch.cat([m.pixel_values for m in media])
+        return self.tower.embed_multimodal(pixels, [m.grid.grid_thw for m in media])
+
+    def positions(self, prepared: PreparedPrompt) -> tuple[torch.Tensor, int]:
+        vision = self.arch.vision
+        return mrope_positions(
+            len(prepared.token_ids),
+            prepared.spans,
+            vision.spatial_merge_size,
+            vision.tokens_per_second,
+        )
+
+    @torch.inference_mode()
+    def prefill_logits(self, prepared: PreparedPrompt) -> torch.Tensor:
+        """Logits [L, vocab] of every prompt position (no cache is kept)."""
+        seq_id = self._new_seq_id()
+        try:
+            hidden, _ = self._prefill([prepared], [seq_id])
+            return self.lm.compute_logits(hidden).float()
+        finally:
+            self.attention.free(seq_id)
+
+    def generate(
+        self,
+        prompt: Prompt,
+        media: Sequence[MediaItem] = (),
+        params: SamplingParams | None = None,
+        **sampling: Any,
+    ) -> list[int]:
+        """Generated token ids (the prompt excluded) for one prompt."""
+        params = params or SamplingParams(**sampling)
+        return self.generate_many([self.prepare(prompt, media)], params)[0]
+
+    @torch.inference_mode()
+    def generate_many(
+        self, prompts: Sequence[PreparedPrompt], params: SamplingParams
+    ) -> list[list[int]]:
+        """Prefill all prompts packed in one forward, then decode them together, one token per
+        sequence per step, until each stops (eos, a stop token or max_new_tokens)."""
+        seqs = [_Sequence(self._new_seq_id(), len(p.token_ids)) for p in prompts]
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= set(self.arch.tokens.eos_token_ids)
+        try:
+            hidden, deltas = self._prefill(prompts, [s.seq_id for s in seqs])
+            for seq, delta in zip(seqs, deltas, strict=True):
+                seq.delta = delta
+            last_rows = torch.tensor([s.length for s in seqs]).cumsum(0) - 1
+            logits = self.lm.compute_logits(hidden[last_rows.to(self.device)])
+            live = seqs
+            while True:
+                for seq, token in zip(
+                    live, sample(logits, params, generator).tolist(), strict=True
+                ):
+                    seq.output.append(token)
+                    seq.done = token in stops or len(seq.output) >= params.max_new_tokens
+                live = [s for s in live if not s.done]
+                if not live:
+                    break
+                # Feed each live sequence its newest token, at index length + outputs - 1.
+                ids = torch.tensor([s.output[-1] for s in live], device=self.device)
+                positions = torch.cat(
+                    [
+                        mrope_decode_positions(s.length + len(s.output) - 1, 1, s.delta)
+                        for s in live
+                    ],
+                    dim=1,
+                ).to(self.device)
+                metadata = self.attention.metadata([s.seq_id for s in live], [1] * len(live))
+                logits = self.lm.compute_logits(self.lm(ids, positions, attn_metadata=metadata))
+            return [s.output for s in seqs]
+        finally:
+            for seq in seqs:
+                self.attention.free(seq.seq_id)
+
+    def _prefill(
+        self, prompts: Sequence[PreparedPrompt], seq_ids: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states [sum of lengths, hidden] of all prompts, and their M-RoPE deltas."""
+        mm_embeds = self.embed_media([m for p in prompts for m in p.media])
+        ids = torch.tensor([t for p in prompts for t in p.token_ids], device=self.device)
+        merge = self.arch.vision.spatial_merge_size
+        is_mm = torch.zeros(len(ids), dtype=torch.bool)  # [T]
+        positions, deltas = [], []
+        start = 0
+        for p in prompts:
+            for span in p.spans:
+                length = num_placeholder_tokens(span.grid_thw, merge)
+                is_mm[start + span.offset : start + span.offset + length] = True
+            prompt_positions, delta = self.positions(p)
+            positions.append(prompt_positions)
+            deltas.append(delta)
+            start += len(p.token_ids)
+        embeds = self.lm.embed_input_ids(ids, mm_embeds, is_mm.to(self.device))
+        metadata = self.attention.metadata(seq_ids, [len(p.token_ids) for p in prompts])
+        positions_t = torch.cat(positions, dim=1).to(self.device)  # [3, T]
+        hidden = self.lm(None, positions_t, inputs_embeds=embeds, attn_metadata=metadata)
+        return hidden, deltas
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+
+@dataclass
+class _Sequence:
+    """One sequence of a generate_many call."""
+
+    seq_id: int
+    length: int  # prompt tokens
+    delta: int = 0  # M-RoPE decode delta
+    output: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Next token per row of logits [B, vocab]: argmax at temperature 0, else top-k / top-p."""
+    if params.temperature <= 0:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / params.temperature
+    if params.top_k > 0:
+        kth = scores.topk(min(params.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+        # Drop a token when the ones ranked above it already reach top_p.
+        drop = cumulative - sorted_scores.softmax(-1) >= params.top_p
+        scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
+    probs = scores.softmax(-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).view(-1).to(logits.device)
+
+
+def generate(
+    checkpoint_dir: str | Path,
+    prompt: Prompt,
+    media: Sequence[MediaItem] = (),
+    dtype: torch.dtype = torch.float32,
+    **sampling: Any,
+) -> list[int]:
+    """Load a checkpoint and generate for one prompt: `ReferenceModel(...).generate(...)`."""
+    return ReferenceModel(checkpoint_dir, dtype).generate(prompt, media, **sampling)
