@@ -102,11 +102,9 @@ class Qwen2LanguageModel(nn.Module):
             Qwen2DecoderLayer(config, i, attn_backend) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        # Tied checkpoints share one matrix: the head's weight is the embedding's (set in
+        # load_weights, once the embedding is real).
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
 
     @classmethod
@@ -127,12 +125,16 @@ class Qwen2LanguageModel(nn.Module):
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the checkpoint's LM tensors (local names) as this model's parameters."""
         tensors = dict(tensors)
-        if self.lm_head is None:
-            # Tied: the head is the embedding matrix; a saved copy is redundant.
+        tied = self.config.tie_word_embeddings
+        if tied:
+            # The head is the embedding matrix; a saved copy is redundant.
             tensors.pop("lm_head.weight", None)
         elif "lm_head.weight" not in tensors:
             raise CheckpointError("untied checkpoint without lm_head.weight")
         missing, unexpected = self.load_state_dict(tensors, strict=False, assign=True)
+        if tied:
+            missing = [m for m in missing if m != "lm_head.weight"]
+            self.lm_head.weight = self.embed_tokens.weight
         if missing or unexpected:
             raise CheckpointError(
                 f"LM tensors do not match the config: missing {missing[:5]}, "
@@ -171,5 +173,4 @@ class Qwen2LanguageModel(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, vocab]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.lm_head(hidden)

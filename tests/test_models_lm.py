@@ -180,7 +180,7 @@ def test_lm_interface(pair):
     lm = ours.lm
     assert (lm.requires_raw_input_tokens, lm.supports_realtime) == (False, False)
     assert lm.supports_multimodal_pruning is False
-    assert lm.lm_head is None  # tied: the head is the embedding matrix
+    assert lm.lm_head.weight is lm.embed_tokens.weight  # tied: the head is the embedding matrix
     ids = torch.tensor([1, 2, 3, 4, 5])
     rows = [torch.randn(2, lm.config.hidden_size), torch.randn(1, lm.config.hidden_size)]
     mask = torch.tensor([False, True, True, False, True])
