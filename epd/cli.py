@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     from connector.bench import add_parser as add_connector_bench
 
     add_connector_bench(benches)
+    from encoder_worker.bench import add_parser as add_encoder_bench
+
+    add_encoder_bench(benches)
+    from lm_worker.bench import add_parser as add_lm_bench
+
+    add_lm_bench(benches)
 
     cfg = sub.add_parser("config", help="print the effective configuration")
     cfg.add_argument("--config", help="cluster YAML file")

@@ -48,6 +48,7 @@ class ByteSize(int):
 
 
 _ONE_GIB = ByteSize(1 << 30)
+_AUTO_SIZE = ByteSize(0)
 
 
 class ConfigError(ValueError):
@@ -91,7 +92,8 @@ class ModelConfig:
     path: str | None = None
     # The served model name (the API's `model`). None: the directory's name.
     name: str | None = None
-    # Weights dtype. auto: bfloat16 on CUDA, float32 on the CPU.
+    # Compute and embedding dtype, the same on every role (it is part of the cache keys).
+    # auto: the dtype the checkpoint was saved in.
     dtype: DType = "auto"
 
     def __post_init__(self):
@@ -150,11 +152,30 @@ class ProxyConfig:
     # Static worker addresses ('host:port').
     encoders: tuple[str, ...] = ()
     lm_workers: tuple[str, ...] = ()
+    # Requests in flight at once; past it new ones are refused (RESOURCE_EXHAUSTED / HTTP 429)
+    # rather than queued without bound.
+    max_pending_requests: int = 1024
+    # Deadline of a request that brings none (gRPC callers' own deadlines propagate).
+    request_timeout_seconds: float = 600.0
+    # Attempts per encode or LM call that fails before any output (backoff with jitter).
+    retries: int = 3
+    # A worker's circuit opens after this many consecutive failures, and lets one request
+    # through again after the cooldown.
+    circuit_failures: int = 3
+    circuit_cooldown_seconds: float = 5.0
+    # How often the proxy asks each worker for its load.
+    load_poll_seconds: float = 0.5
     # On SIGTERM: how long requests in flight may take to finish before the proxy exits.
     drain_timeout_seconds: float = 30.0
 
     def __post_init__(self):
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
+        _check_positive("request_timeout_seconds", self.request_timeout_seconds)
+        _check_positive("circuit_cooldown_seconds", self.circuit_cooldown_seconds)
+        _check_positive("load_poll_seconds", self.load_poll_seconds)
+        for key in ("max_pending_requests", "retries", "circuit_failures"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
         _check_port("grpc_port", self.grpc_port)
         _check_port("http_port", self.http_port)
         if self.grpc_port == self.http_port:
@@ -173,28 +194,114 @@ class ProxyConfig:
 
 @dataclass(frozen=True)
 class EncoderConfig:
-    # Where the encoder's gRPC server binds.
+    # Where the encoder's gRPC server binds, and the address it registers for the proxy to
+    # dial (default: listen, with a wildcard host replaced by this host's address).
     listen: str = "0.0.0.0:50061"
+    advertise: str | None = None
     device: Device = "auto"
     # On SIGTERM: how long in-flight encodes may take to finish before the worker exits.
     drain_timeout_seconds: float = 30.0
+    # Cross-request batching: one tower forward takes up to this many items and this many
+    # placeholder tokens (an item larger than the token budget runs alone). 1 item: no batching.
+    max_batch_items: int = 32
+    max_batch_tokens: int = 8192
+    # How long an idle tower waits for more items before it runs a batch that is not full
+    # (0: at once; under load, batches fill while the tower is busy anyway).
+    batch_wait_ms: float = 0.0
+    # Threads that decode and preprocess media (0: one per CPU core, at most 8).
+    preprocess_workers: int = 0
+    # Images (and video frames) above this many pixels, read from the header, are refused
+    # before decoding (decompression-bomb protection).
+    max_image_pixels: int = 64 * 1024 * 1024
+    # Prometheus /metrics over HTTP on this port, on the listen host (0: off).
+    metrics_port: int = 0
 
     def __post_init__(self):
-        parse_address(self.listen, "listen")
+        _host, port = parse_address(self.listen, "listen")
+        if self.advertise is not None:
+            parse_address(self.advertise, "advertise")
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
+        for key in ("max_batch_items", "max_batch_tokens", "max_image_pixels"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.batch_wait_ms < 0:
+            raise ConfigError("batch_wait_ms", f"must be >= 0, got {self.batch_wait_ms}")
+        if self.preprocess_workers < 0:
+            raise ConfigError(
+                "preprocess_workers", f"must be >= 0 (0: auto), got {self.preprocess_workers}"
+            )
+        if self.metrics_port:
+            _check_port("metrics_port", self.metrics_port)
+            if self.metrics_port == port:
+                raise ConfigError(
+                    "metrics_port",
+                    f"is the gRPC port of listen ({self.listen}): give /metrics another port",
+                )
 
 
 @dataclass(frozen=True)
 class LMConfig:
-    # Where the LM worker's gRPC server binds.
+    # Where the LM worker's gRPC server binds, and the address it registers for the proxy to
+    # dial (default: listen, with a wildcard host replaced by this host's address).
     listen: str = "0.0.0.0:50071"
+    advertise: str | None = None
     device: Device = "auto"
+    # Continuous batching: sequences per step, and the token budget per step (decodes take one
+    # token each; prefills are chunked to fit what is left).
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # Context length; None: the checkpoint's max_position_embeddings.
+    max_model_len: int | None = None
+    # Paged KV cache: tokens per block, and the bytes for all blocks (0: auto, 90% of the free
+    # GPU memory after loading on CUDA, 1 GiB on the CPU).
+    block_size: int = 16
+    kv_cache_bytes: ByteSize = _AUTO_SIZE
+    enable_prefix_caching: bool = True
+    # Decode in CUDA graphs: auto (on with CUDA), on (CUDA required), off.
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    # Largest decode batch captured; larger batches run eagerly.
+    max_graph_batch_size: int = 64
+    # How long a request may wait for its embeddings to appear in the cache.
+    embedding_timeout_seconds: float = 120.0
     # On SIGTERM: how long running requests may take to finish before the worker exits.
     drain_timeout_seconds: float = 60.0
 
     def __post_init__(self):
         parse_address(self.listen, "listen")
+        if self.advertise is not None:
+            parse_address(self.advertise, "advertise")
+        for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                "max_num_batched_tokens",
+                f"({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence needs a token per decode step",
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        _check_positive("embedding_timeout_seconds", self.embedding_timeout_seconds)
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    # Workers announce themselves in Redis and the proxy routes to them without a restart
+    # (static addresses in proxy.encoders / proxy.lm_workers are used as well).
+    enabled: bool = True
+    heartbeat_seconds: float = 1.0
+    # A worker whose last heartbeat is older than this is taken out of rotation.
+    ttl_seconds: float = 3.0
+
+    def __post_init__(self):
+        _check_positive("heartbeat_seconds", self.heartbeat_seconds)
+        if self.ttl_seconds <= self.heartbeat_seconds:
+            raise ConfigError(
+                "ttl_seconds",
+                f"({self.ttl_seconds}) must be longer than heartbeat_seconds "
+                f"({self.heartbeat_seconds}), or live workers drop out between heartbeats",
+            )
 
 
 @dataclass(frozen=True)
@@ -204,6 +311,7 @@ class ClusterConfig:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     lm: LMConfig = field(default_factory=LMConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
     log_level: LogLevel = "info"
 
     def check_role(self, role: str) -> None:
@@ -463,6 +571,7 @@ __all__ = [
     "LMConfig",
     "ModelConfig",
     "ProxyConfig",
+    "RegistryConfig",
     "cache_dir",
     "config_to_dict",
     "dump_config",

@@ -26,6 +26,7 @@ from connector import EmbeddedRedis, EmbeddedServerError, redact_url
 from epd.config import ClusterConfig, dump_config
 from epd.health import health_status
 from epd.process import Child, epd_command, free_port, port_is_free
+from epd.served_model import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,15 @@ class LocalCluster:
     def start(self) -> None:
         started = time.monotonic()
         self._check_ports_free()
+        if self.config.model.path is None:
+            # Written once here (on first use), not by every role racing for it.
+            print("preparing the built-in model (written once, on first use)...", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            path = resolve_model(self.config).path
+            model = dataclasses.replace(
+                self.config.model, path=str(path), name=self.config.model.served_name
+            )
+            self.config = dataclasses.replace(self.config, model=model)
         url = self.config.connector.url
         if url is None:
             self.redis = EmbeddedRedis()

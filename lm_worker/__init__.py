@@ -1,5 +1,4 @@
-"""The LM role ("PD" of EPD): continuous-batched prefill and decode over gathered embeddings."""
+"""The LM role ("PD" of EPD): continuous-batched prefill and decode over gathered embeddings.
 
-from lm_worker.server import main
-
-__all__ = ["main"]
+The step loop is in engine.py (LMEngine.step); server.py is the gRPC edge (`epd lm`).
+"""

@@ -1,50 +1,318 @@
-"""The LM worker: the `LanguageModel` gRPC service over a continuous-batching engine.
+"""The LM worker: the `LanguageModel` gRPC service over the engine (lm_worker/engine.py).
 
-The engine (scheduler, paged KV cache, embedding gather, CUDA-graphed decode) lands with the
-LM-worker issue; until then the RPCs answer UNIMPLEMENTED and the server does only what every
-role does: wait for Redis, report health, drain on SIGTERM.
+Per Generate call: check and convert the request (protobuf stops here) -> wait for its
+embeddings in the EC connector (notified, bounded; misses are reported on the stream so the
+proxy can re-encode) -> hand it to the engine -> stream its outputs back. A client that goes
+away aborts the request in the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 
 import grpc
+import numpy as np
+import torch
 
-from connector import wait_until_reachable
+from connector import AsyncECConnector, ConnectorError, connector_options, wait_until_reachable
 from epd.config import ClusterConfig
-from epd.server import RoleServer, Service, run_role, unimplemented
+from epd.registry import Registration
+from epd.served_model import resolve_model
+from epd.server import RoleServer, Service, run_role
+from lm_worker.engine import LMEngine, RequestOutput, build_engine
+from lm_worker.model_state import EmbeddingMismatch
+from lm_worker.request import MMFeature, Request, SamplingParams
 from proto import epd_pb2, epd_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-LANDS_WITH = "the LM worker, issue 6"
+MODALITIES = {
+    epd_pb2.MODALITY_IMAGE: "image",
+    epd_pb2.MODALITY_VIDEO: "video",
+    epd_pb2.MODALITY_AUDIO: "audio",
+}
+FINISH_REASONS = {
+    "stop": epd_pb2.FINISH_REASON_STOP,
+    "length": epd_pb2.FINISH_REASON_LENGTH,
+    "abort": epd_pb2.FINISH_REASON_ABORT,
+}
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def to_request(msg: epd_pb2.LMGenerateRequest, vocab_size: int, max_model_len: int) -> Request:
+    """The engine's Request for a LMGenerateRequest; BadRequest says what is wrong."""
+    ids = list(msg.prompt_token_ids)
+    if not ids:
+        raise BadRequest("prompt_token_ids is empty")
+    if len(ids) >= max_model_len:
+        raise BadRequest(
+            f"the prompt has {len(ids)} tokens; this worker's context is {max_model_len}"
+        )
+    if max(ids) >= vocab_size:
+        raise BadRequest(f"token id {max(ids)} is outside the vocabulary ({vocab_size})")
+    features = []
+    end = 0
+    for f in msg.mm_features:
+        if not f.mm_hash:
+            raise BadRequest("an mm_feature has no mm_hash")
+        if f.offset < end or f.offset + f.length > len(ids) or f.length == 0:
+            raise BadRequest(
+                f"mm_feature {f.mm_hash}: placeholders [{f.offset}, {f.offset + f.length}) "
+                f"overlap another item or fall outside the {len(ids)}-token prompt"
+            )
+        if f.is_embed and len(f.is_embed) != f.length:
+            raise BadRequest(
+                f"mm_feature {f.mm_hash}: is_embed has {len(f.is_embed)} flags for "
+                f"{f.length} placeholders"
+            )
+        grid = (f.grid.t, f.grid.h, f.grid.w) if f.HasField("grid") else None
+        features.append(
+            MMFeature(
+                mm_hash=f.mm_hash,
+                offset=f.offset,
+                length=f.length,
+                is_embed=np.asarray(f.is_embed, dtype=bool) if f.is_embed else None,
+                modality=MODALITIES.get(f.modality, "image"),
+                grid_thw=grid,
+                second_per_grid_t=f.second_per_grid_t or None,
+            )
+        )
+        end = f.offset + f.length
+    s = msg.sampling
+    room = max_model_len - len(ids)
+    try:
+        sampling = SamplingParams(
+            max_tokens=min(s.max_tokens, room) if s.HasField("max_tokens") else room,
+            temperature=s.temperature if s.HasField("temperature") else 1.0,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+            stop=tuple(s.stop),
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs if s.HasField("logprobs") else None,
+        )
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    return Request(
+        request_id=msg.request_id or f"lm-{uuid.uuid4().hex[:16]}",
+        prompt_token_ids=ids,
+        sampling=sampling,
+        mm_features=features,
+    )
+
+
+def to_response(out: RequestOutput) -> epd_pb2.LMGenerateResponse:
+    msg = epd_pb2.LMGenerateResponse(token_ids=out.token_ids, text=out.text)
+    for t in out.logprobs:
+        entry = msg.logprobs.add(logprob=t.logprob or 0.0)
+        for token_id, logprob in t.top or ():
+            entry.top.add(token_id=token_id, logprob=logprob)
+    if out.finish_reason is not None:
+        msg.finish_reason = FINISH_REASONS.get(out.finish_reason, epd_pb2.FINISH_REASON_STOP)
+        msg.usage.prompt_tokens = out.num_prompt_tokens
+        msg.usage.completion_tokens = out.num_output_tokens
+        msg.usage.cached_prompt_tokens = out.num_cached_tokens
+        for key, value in out.timings.items():
+            setattr(msg.timings, key, value)
+    return msg
+
+
+class EmbeddingFetcher:
+    """Waits for a request's embeddings in the connector and brings them to the device."""
+
+    def __init__(self, connector: AsyncECConnector, engine: LMEngine, timeout: float):
+        self.connector = connector
+        self.engine = engine
+        self.timeout = timeout
+        self.waiting = 0  # requests waiting for embeddings (GetLoad)
+
+    async def fetch(self, request: Request, report) -> dict[str, torch.Tensor]:
+        """{mm_hash: tensor on the engine's device}. `report(hashes)` is awaited with each
+        set of hashes newly found missing. Raises TimeoutError after `timeout` seconds."""
+        needed = {f.mm_hash: f.num_embeds for f in request.mm_features}
+        found: dict[str, torch.Tensor] = {}
+        reported: set[str] = set()
+        deadline = time.monotonic() + self.timeout
+        self.waiting += 1
+        try:
+            while True:
+                pending = [h for h in needed if h not in found]
+                fetched, misses = await self.connector.get_many(pending)
+                for h, tensor in fetched.items():
+                    found[h] = await asyncio.to_thread(self._to_device, h, tensor, needed[h])
+                if not misses:
+                    return found
+                new = [h for h in misses if h not in reported]
+                if new:
+                    self.engine.metrics.embedding_misses.inc(len(new))
+                    reported.update(new)
+                    await report(new)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or await self.connector.wait_for(misses, remaining):
+                    raise TimeoutError(
+                        f"embeddings {sorted(set(misses))} did not arrive within "
+                        f"{self.timeout:.0f}s"
+                    )
+        finally:
+            self.waiting -= 1
+
+    def _to_device(self, mm_hash: str, tensor: torch.Tensor, num_embeds: int) -> torch.Tensor:
+        runner = self.engine.runner
+        embeds = tensor.to(runner.device, runner.dtype)
+        return runner.model_state.process_mm_embeds(mm_hash, embeds, num_embeds)
 
 
 class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
+    def __init__(self, config: ClusterConfig, name: str):
+        self.config = config
+        self.name = name
+        self.role: RoleServer | None = None
+        self.engine: LMEngine | None = None
+        self.fetcher: EmbeddingFetcher | None = None
+        self.connector: AsyncECConnector | None = None
+        self.active: dict[str, asyncio.Queue] = {}
+
+    async def load(self) -> None:
+        """Model, KV cache, graphs and a warm-up step, then the connector."""
+        c = self.config
+        await wait_until_reachable(c.connector.url, c.connector.startup_wait_seconds)
+        served = await asyncio.to_thread(resolve_model, c)
+        loop = asyncio.get_running_loop()
+
+        def emit(items):
+            loop.call_soon_threadsafe(_deliver, items)
+
+        self.engine = await asyncio.to_thread(build_engine, c, str(served.path), served.dtype, emit)
+        await asyncio.to_thread(self.engine.runner.dummy_run, 1)
+        self.engine.start()
+        self.connector = AsyncECConnector(
+            fingerprint=served.fingerprint, **connector_options(c.connector, local_tier=True)
+        )
+        self.fetcher = EmbeddingFetcher(self.connector, self.engine, c.lm.embedding_timeout_seconds)
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+        if self.connector is not None:
+            await self.connector.close()
+
     async def Generate(self, request: epd_pb2.LMGenerateRequest, context):
-        await unimplemented(context, "LanguageModel.Generate", LANDS_WITH)
+        async with self.role.work(context):
+            engine = self.engine
+            if request.realtime_session_id:
+                await context.abort(
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    "realtime sessions are not implemented in this build (they land with the "
+                    "realtime audio encoder)",
+                )
+            try:
+                req = to_request(
+                    request, engine.runner.model.config.vocab_size, engine.max_model_len
+                )
+                blocks = engine.scheduler.blocks
+                if blocks.blocks_needed(req.num_prompt_tokens + 1) > blocks.num_usable:
+                    raise BadRequest(
+                        f"the prompt needs {blocks.blocks_needed(req.num_prompt_tokens + 1)} KV "
+                        f"blocks; this worker has {blocks.num_usable}"
+                    )
+            except BadRequest as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if req.request_id in self.active:
+                await context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS, f"request {req.request_id} is already running"
+                )
+            started = time.monotonic()
+            queue: asyncio.Queue = asyncio.Queue()
+            self.active[req.request_id] = queue
+            finished = False
+            try:
+                embeddings = {}
+                if req.mm_features:
+                    reports: list[list[str]] = []
 
-    async def Abort(self, request: epd_pb2.AbortRequest, context: grpc.aio.ServicerContext):
-        await unimplemented(context, "LanguageModel.Abort", LANDS_WITH)
+                    async def report(hashes: list[str]) -> None:
+                        reports.append(hashes)
+                        await context.write(epd_pb2.LMGenerateResponse(missing_mm_hashes=hashes))
 
-    async def GetLoad(self, request: epd_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
-        await unimplemented(context, "LanguageModel.GetLoad", LANDS_WITH)
+                    try:
+                        embeddings = await self.fetcher.fetch(req, report)
+                    except TimeoutError as e:
+                        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+                    except EmbeddingMismatch as e:
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                    except ConnectorError as e:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                wait = time.monotonic() - started
+                req.arrival = time.monotonic()
+                engine.add_request(req, queue.put_nowait, embeddings)
+                while True:
+                    out: RequestOutput = await queue.get()
+                    if out.finish_reason == "error":
+                        finished = True
+                        await context.abort(grpc.StatusCode.INTERNAL, out.error or "engine error")
+                    msg = to_response(out)
+                    if out.finish_reason is not None:
+                        finished = True
+                        msg.timings.embedding_wait_seconds = wait
+                        msg.timings.total_seconds = time.monotonic() - started
+                        if "time_to_first_token_seconds" in out.timings:
+                            msg.timings.time_to_first_token_seconds = (
+                                out.timings["time_to_first_token_seconds"] + wait
+                            )
+                    await context.write(msg)
+                    if finished:
+                        return
+            finally:
+                self.active.pop(req.request_id, None)
+                if not finished:  # the client went away, or the deadline passed
+                    engine.abort(req.request_id)
+
+    async def Abort(self, request: epd_pb2.AbortRequest, context) -> epd_pb2.AbortResponse:
+        if request.request_id not in self.active:
+            return epd_pb2.AbortResponse(aborted=False)
+        self.engine.abort(request.request_id)
+        return epd_pb2.AbortResponse(aborted=True)
+
+    async def GetLoad(self, request, context) -> epd_pb2.LMLoad:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the LM worker is still loading")
+        load = self.engine.load()
+        return epd_pb2.LMLoad(
+            worker_id=self.name, waiting_for_embeddings=self.fetcher.waiting, **load
+        )
+
+
+def _deliver(items) -> None:
+    for sink, out in items:
+        sink(out)
 
 
 async def serve(config: ClusterConfig, name: str) -> int:
+    servicer = LanguageModelServicer(config, name)
     service = Service(
         epd_pb2.DESCRIPTOR.services_by_name["LanguageModel"].full_name,
-        LanguageModelServicer(),
+        servicer,
         epd_pb2_grpc.add_LanguageModelServicer_to_server,
     )
-    server = RoleServer(name, config.lm.listen, [service])
-
-    async def load() -> None:
-        await wait_until_reachable(config.connector.url, config.connector.startup_wait_seconds)
-
-    return await run_role(server, load, config.lm.drain_timeout_seconds)
+    server = servicer.role = RoleServer(name, config.lm.listen, [service])
+    registration = Registration(config, "lm", config.lm.listen, config.lm.advertise)
+    try:
+        return await run_role(
+            server,
+            servicer.load,
+            config.lm.drain_timeout_seconds,
+            on_serving=registration.start,
+            on_drain=registration.stop,
+        )
+    finally:
+        await servicer.close()
 
 
 def main(config: ClusterConfig, name: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,28 @@ import yaml
 from connector import EmbeddedRedis
 from epd.process import Child, epd_command, free_port
 from tests.helpers import RoleProcess
+
+
+def pytest_configure(config):
+    """Nothing a test writes for itself (the built-in model) goes to the user's cache."""
+    import tempfile
+
+    config._epd_cache = tempfile.TemporaryDirectory(prefix="epd-test-cache-")
+    os.environ["EPD_CACHE_DIR"] = config._epd_cache.name
+
+
+def pytest_unconfigure(config):
+    cache = getattr(config, "_epd_cache", None)
+    if cache is not None:
+        cache.cleanup()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Qwen2.5-VL checkpoint (milliseconds to write, to load, to run)."""
+    from models import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), "qwen2_5_vl", "tiny", seed=7)
 
 
 @pytest.fixture
@@ -43,3 +66,15 @@ def start_role(tmp_path):
     yield start
     for role in started:
         role.child.stop(10)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` need a CUDA device: without one they are skipped, saying so."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none on this machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

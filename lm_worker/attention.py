@@ -1,0 +1,131 @@
+"""Attention over a paged KV cache, in pure PyTorch (CPU and CUDA; the decode path is
+capturable in a CUDA graph).
+
+The cache is one tensor [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim].
+A step's tokens come packed: first `num_decodes` sequences with one new token each, then the
+prefill chunks. Every token's K / V is written to its slot (block_id * block_size + offset);
+then decodes attend in one batched call over their block tables, and each prefill chunk attends
+over its cached prefix plus itself, causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PagedAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64; padded tokens write to the null block
+    num_decodes: int  # leading sequences with one token each (padded count under graphs)
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64
+    decode_seq_lens: torch.Tensor  # [num_decodes] int64, tokens incl. the new one (>= 1)
+    # Prefill chunks, in order after the decode tokens (eager only: Python lists).
+    prefill_query_lens: list[int]
+    prefill_seq_lens: list[int]  # cached prefix + this chunk
+    prefill_block_tables: list[torch.Tensor]  # each [num_blocks_i] int64
+
+
+class PagedAttention:
+    """The engine's attention backend (models.attention.AttentionBackend)."""
+
+    def __init__(self, block_size: int, head_dim: int):
+        self.block_size = block_size
+        self.scale = head_dim**-0.5
+        self.kv_cache: torch.Tensor | None = None  # allocated once the model is loaded
+
+    def allocate(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, 2, num_blocks, self.block_size, num_kv_heads, head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def __call__(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        meta: PagedAttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        k_cache, v_cache = self.kv_cache[layer_idx]  # each [num_blocks, block_size, kvh, d]
+        num_kv_heads, head_dim = k.shape[1:]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+        parts = []
+        num_decodes = meta.num_decodes
+        if num_decodes:
+            parts.append(self._decode(q[:num_decodes], k_cache, v_cache, meta))
+        start = num_decodes
+        for n, seq_len, table in zip(
+            meta.prefill_query_lens, meta.prefill_seq_lens, meta.prefill_block_tables, strict=True
+        ):
+            parts.append(
+                self._prefill(
+                    q[start : start + n],
+                    k[start : start + n],
+                    v[start : start + n],
+                    k_cache,
+                    v_cache,
+                    seq_len,
+                    table,
+                )
+            )
+            start += n
+        if start < q.shape[0]:  # padding past the real tokens (eager runs of padded batches)
+            parts.append(torch.zeros_like(q[start:]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _decode(self, q, k_cache, v_cache, meta: PagedAttentionMetadata) -> torch.Tensor:
+        D, _, head_dim = q.shape
+        tables = meta.decode_block_tables  # [D, M]
+        L = tables.shape[1] * self.block_size
+        keys = k_cache[tables].view(D, L, -1, head_dim).transpose(1, 2)  # [D, kvh, L, d]
+        values = v_cache[tables].view(D, L, -1, head_dim).transpose(1, 2)
+        valid = torch.arange(L, device=q.device) < meta.decode_seq_lens[:, None]  # [D, L]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [D, H, 1, d]
+            keys,
+            values,
+            attn_mask=valid[:, None, None, :],
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, seq_len: int, table) -> torch.Tensor:
+        n = q.shape[0]
+        if seq_len == n:  # nothing cached before this chunk: attend to the chunk itself
+            keys, values, mask, causal = k, v, None, True
+        else:
+            head_dim = q.shape[2]
+            keys = k_cache[table].view(-1, k.shape[1], head_dim)[:seq_len]
+            values = v_cache[table].view(-1, v.shape[1], head_dim)[:seq_len]
+            # Query i (the (seq_len - n + i)-th token) sees keys 0 .. seq_len - n + i.
+            mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - n)
+            causal = False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)

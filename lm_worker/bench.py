@@ -1,0 +1,181 @@
+"""`epd bench lm`: LM decode speed next to Hugging Face `generate` on the same checkpoint.
+
+Both sides run in this process on the same threads, interleaved round by round:
+- batch 1: decode tokens/s, measured as (N - 1) / (time for N tokens - time for 1 token), so
+  prefill cancels out the same way on both sides;
+- concurrency: our engine with S concurrent streams against `generate` at batch B (default 32
+  vs 8), aggregate tokens/s including prefill, as a serving system would see it;
+- the roofline at batch 1: every decode step reads all LM weights once, so the fastest possible
+  step takes weight bytes / memory bandwidth (measured here as a large tensor copy's rate).
+The last line is one JSON object with the figures and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from epd.config import ClusterConfig, LMConfig, cache_dir
+from lm_worker.cpu_gemv import weight_bytes
+from lm_worker.engine import LMEngine, build_engine
+from lm_worker.request import Request, SamplingParams
+
+PROMPT_LEN = 64
+
+
+def _prompt(i: int) -> list[int]:
+    return [100 + (7 * i + j) % 5000 for j in range(PROMPT_LEN)]
+
+
+class Ours:
+    def __init__(self, model_dir: Path, max_num_seqs: int, device: str):
+        config = ClusterConfig(
+            lm=LMConfig(
+                device=device,
+                kv_cache_bytes=1 << 30,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max(2048, max_num_seqs),
+            )
+        )
+        self.engine: LMEngine = build_engine(config, str(model_dir), torch.float32, registry=None)
+        self.count = 0
+
+    def run(self, streams: int, new_tokens: int) -> float:
+        for i in range(streams):
+            self.count += 1
+            params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+            self.engine.add_request(Request(f"b{self.count}", _prompt(i), params), lambda out: None)
+        started = time.perf_counter()
+        self.engine.run_to_completion()
+        _sync()
+        return time.perf_counter() - started
+
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.engine.runner.model)
+
+
+class HuggingFace:
+    def __init__(self, model_dir: Path, device: str):
+        try:
+            import transformers
+        except ImportError as e:
+            raise SystemExit(
+                "epd bench lm compares against Hugging Face generate: install the test extra "
+                "(pip install -e '.[test]')"
+            ) from e
+        architecture = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+        cls = getattr(transformers, architecture)
+        self.model = cls.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, batch: int, new_tokens: int) -> float:
+        ids = torch.tensor([_prompt(i) for i in range(batch)], device=self.device)
+        started = time.perf_counter()
+        self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+        )
+        _sync()
+        return time.perf_counter() - started
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second copying a 256 MiB tensor (best of 5)."""
+    src = torch.ones(64 * 2**20, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        dst.copy_(src)
+        _sync()
+        best = min(best, time.perf_counter() - started)
+    return src.nbytes / best
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from models import ensure_builtin_model
+
+        print("using the built-in small model (written on first use)", flush=True)
+        model_dir = ensure_builtin_model(cache_dir())
+    device = (
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    ours = Ours(model_dir, max(args.streams, 1), device)
+    hf = HuggingFace(model_dir, device)
+    n = args.tokens
+    ours.run(1, 4)  # warm-up both
+    hf.run(1, 4)
+
+    ours_b1, hf_b1, ours_many, hf_batch = [], [], [], []
+    for r in range(args.rounds):
+        ours_b1.append((n - 1) / (ours.run(1, n) - ours.run(1, 1)))
+        hf_b1.append((n - 1) / (hf.run(1, n) - hf.run(1, 1)))
+        ours_many.append(args.streams * n / ours.run(args.streams, n))
+        hf_batch.append(args.hf_batch * n / hf.run(args.hf_batch, n))
+        print(
+            f"round {r + 1}: batch 1 ours {ours_b1[-1]:.1f} tok/s, HF {hf_b1[-1]:.1f}; "
+            f"ours x{args.streams} streams {ours_many[-1]:.1f} tok/s, HF batch {args.hf_batch} "
+            f"{hf_batch[-1]:.1f}",
+            flush=True,
+        )
+    med = statistics.median
+    weights = ours.weight_bytes()
+    bandwidth = copy_bandwidth(device)
+    roofline = bandwidth / weights
+    summary = {
+        "bench": "lm",
+        "model": str(model_dir.name),
+        "device": device,
+        "threads": args.threads,
+        "new_tokens": n,
+        "batch1_ours_tps": round(med(ours_b1), 2),
+        "batch1_hf_tps": round(med(hf_b1), 2),
+        "batch1_vs_hf": round(med(ours_b1) / med(hf_b1), 3),
+        "weight_bytes": weights,
+        "copy_bandwidth_gbps": round(bandwidth / 1e9, 2),
+        "roofline_tps": round(roofline, 2),
+        "batch1_vs_roofline": round(med(ours_b1) / roofline, 3),
+        "streams": args.streams,
+        "streams_ours_tps": round(med(ours_many), 2),
+        "hf_batch": args.hf_batch,
+        "hf_batch_tps": round(med(hf_batch), 2),
+        "streams_vs_hf_batch": round(med(ours_many) / med(hf_batch), 3),
+    }
+    print(
+        f"batch 1: {summary['batch1_vs_hf']}x HF generate, {summary['batch1_vs_roofline']:.0%} "
+        f"of the roofline ({summary['roofline_tps']} tok/s = {weights / 1e6:.0f} MB of weights "
+        f"at {summary['copy_bandwidth_gbps']} GB/s); {args.streams} streams: "
+        f"{summary['streams_vs_hf_batch']}x HF at batch {args.hf_batch}"
+    )
+    print(json.dumps(summary))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lm", help="LM decode vs Hugging Face generate on the same checkpoint")
+    p.add_argument("--model", help="checkpoint directory (default: the built-in small model)")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per request (default 64)")
+    p.add_argument("--streams", type=int, default=32, help="our concurrent streams (default 32)")
+    p.add_argument("--hf-batch", type=int, default=8, help="HF generate batch (default 8)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians reported")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.set_defaults(func=run)

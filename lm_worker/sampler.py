@@ -1,0 +1,78 @@
+"""Sampling: greedy, temperature, top-k, top-p; per-request seeds; optional log-probabilities.
+
+Each request owns a torch.Generator (seeded from SamplingParams.seed, else at random) that is
+drawn from exactly once per sampled token, so a seeded request gives the same tokens whatever
+it is batched with, and after a preemption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lm_worker.request import Request
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, logprob), most likely first
+
+
+def new_generator(seed: int | None) -> torch.Generator:
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [num_reqs, vocab], one row per request that samples
+        requests: Sequence[Request],
+    ) -> list[SampledToken]:
+        logits = logits.float()
+        params = [r.sampling for r in requests]
+        if all(p.greedy for p in params):
+            token_ids = logits.argmax(dim=-1).tolist()
+        else:
+            token_ids = [
+                self._sample_one(row, r) if not r.sampling.greedy else int(row.argmax())
+                for row, r in zip(logits, requests, strict=True)
+            ]
+        out = [SampledToken(t) for t in token_ids]
+        if any(p.logprobs is not None for p in params):
+            logprobs = torch.log_softmax(logits, dim=-1)
+            for i, p in enumerate(params):
+                if p.logprobs is None:
+                    continue
+                out[i].logprob = float(logprobs[i, token_ids[i]])
+                if p.logprobs:
+                    values, ids = logprobs[i].topk(p.logprobs)
+                    out[i].top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        return out
+
+    def _sample_one(self, row: torch.Tensor, request: Request) -> int:
+        p = request.sampling
+        # NOTE: on the CPU, where the request's generator lives, so seeds give the same tokens
+        # on every device.
+        row = row.cpu() / p.temperature
+        if p.top_k and p.top_k < row.shape[0]:
+            kth = row.topk(p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (always the most likely token).
+            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if request.generator is None:
+            request.generator = new_generator(p.seed)
+        return int(torch.multinomial(probs, 1, generator=request.generator))

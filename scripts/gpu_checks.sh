@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The GPU checks, for a machine with CUDA and PyTorch (e.g. the device tool's image, whose
+# python3 has torch, transformers, safetensors, tokenizers, pillow, jinja2, xxhash, pyyaml,
+# prometheus-client and pytest). Run from the repository root; prints the figures to record.
+set -euo pipefail
+export PYTHONPATH="$PWD"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+# conftest.py needs the CPU-side extras (redis, grpc health); the GPU files need none of them.
+python3 -m pytest -q -s -rs --noconftest -p no:cacheprovider -o addopts="" tests/test_lm_cuda.py

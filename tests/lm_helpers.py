@@ -1,0 +1,107 @@
+"""Helpers for the LM worker tests: engines over a tiny checkpoint, the reference path's
+expected tokens, and requests built like the proxy builds them."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+
+from epd.config import ClusterConfig, LMConfig
+from lm_worker.engine import LMEngine, RequestOutput, build_engine
+from lm_worker.request import MMFeature, Request, SamplingParams
+from models import ImageItem, ReferenceModel
+
+
+def png(width: int, height: int, color=(200, 30, 40)) -> bytes:
+    buf = io.BytesIO()
+    image = Image.new("RGB", (width, height), color)
+    # A gradient, so patches differ and the tower's output is not one repeated row.
+    for x in range(0, width, 3):
+        image.putpixel((x, x % height), (x % 256, 255 - x % 256, 90))
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def make_engine(checkpoint, **lm) -> LMEngine:
+    lm.setdefault("kv_cache_bytes", 32 << 20)
+    lm.setdefault("max_num_seqs", 16)
+    lm.setdefault("max_num_batched_tokens", 256)
+    pad = lm.pop("pad_decodes", False)
+    model_cls = lm.pop("model_cls", None)
+    config = ClusterConfig(lm=LMConfig(**lm))
+    return build_engine(
+        config, str(checkpoint), torch.float32, registry=None, model_cls=model_cls,
+        pad_decodes=pad,
+    )  # fmt: skip
+
+
+@dataclass
+class Collected:
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    def __call__(self, out: RequestOutput) -> None:
+        self.outputs.append(out)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for o in self.outputs for t in o.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(o.text for o in self.outputs)
+
+    @property
+    def last(self) -> RequestOutput:
+        return self.outputs[-1]
+
+
+@dataclass
+class Case:
+    """One prompt with its media, as the engine gets it, and the reference's answer."""
+
+    request_id: str
+    token_ids: list[int]
+    features: list[MMFeature]
+    embeddings: dict[str, torch.Tensor]
+    expected: list[int]
+
+    def request(self, **sampling) -> Request:
+        sampling.setdefault("temperature", 0.0)
+        sampling.setdefault("ignore_eos", True)
+        sampling.setdefault("max_tokens", len(self.expected))
+        return Request(self.request_id, list(self.token_ids), SamplingParams(**sampling),
+                       list(self.features))  # fmt: skip
+
+
+def case(ref: ReferenceModel, request_id: str, text: str, images=(), max_tokens: int = 24) -> Case:
+    """A chat prompt with `images` (PNG bytes) before the text, and the reference's greedy
+    tokens for it."""
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    messages = [{"role": "user", "content": content}]
+    items = [ImageItem(b) for b in images]
+    prepared = ref.prepare(messages, items)
+    embeds = ref.embed_media(prepared.media)
+    features, embeddings = [], {}
+    for i, (span, e) in enumerate(zip(prepared.spans, embeds, strict=True)):
+        mm_hash = f"{request_id}-img{i}"
+        features.append(MMFeature(mm_hash, span.offset, e.shape[0], None, "image", span.grid_thw))
+        embeddings[mm_hash] = e
+    expected = ref.generate(messages, items, max_new_tokens=max_tokens, ignore_eos=True)
+    return Case(request_id, prepared.token_ids, features, embeddings, expected)
+
+
+def run(engine: LMEngine, *cases_and_requests) -> dict[str, Collected]:
+    """Add (Request, embeddings) pairs or Cases, run to completion, collect outputs by id."""
+    sinks: dict[str, Collected] = {}
+    for item in cases_and_requests:
+        if isinstance(item, Case):
+            request, embeddings = item.request(), item.embeddings
+        else:
+            request, embeddings = item
+        sinks[request.request_id] = Collected()
+        engine.add_request(request, sinks[request.request_id], embeddings)
+    engine.run_to_completion()
+    return sinks
