@@ -1,4 +1,8 @@
-"""The encoder-only role ("E" of EPD): encodes media items and publishes them by mm_hash."""
+"""The encoder-only role ("E" of EPD): encodes media items and publishes them by mm_hash.
+
+The work is in encoder.py (`MMEncoder.execute_mm_encoder` and the cross-request batch loop),
+the model side in tower.py, the gRPC edge in server.py, `epd bench encoder` in bench.py.
+"""
 
 from encoder_worker.server import main
 

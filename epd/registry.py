@@ -1,0 +1,111 @@
+"""Worker registration through Redis: workers come and go without a proxy restart.
+
+A SERVING worker announces itself every `heartbeat_seconds` in a sorted set per role,
+
+    {namespace}:registry:{role}  member = the address the proxy should dial, score = unix ms
+
+and leaves it when it starts draining. The proxy reads the members whose last heartbeat is
+younger than `ttl_seconds`: a new worker is routed to within a heartbeat, a dead one drops out
+after the TTL (the proxy's health watch usually notices sooner).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+
+import redis
+import redis.asyncio as aioredis
+
+from connector.client import async_client
+from epd.config import ClusterConfig, parse_address
+
+logger = logging.getLogger(__name__)
+
+
+def registry_key(namespace: str, role: str) -> str:
+    return f"{namespace}:registry:{role}"
+
+
+def advertised_address(listen: str, advertise: str | None) -> str:
+    """The address others dial: `advertise` if set, else `listen` with a wildcard host
+    replaced by this host's primary address."""
+    if advertise:
+        return advertise
+    host, port = parse_address(listen)
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+    return f"{host}:{port}"
+
+
+class Heartbeat:
+    """A worker's announcement loop (started once SERVING, stopped when draining)."""
+
+    def __init__(self, config: ClusterConfig, role: str, address: str):
+        self.key = registry_key(config.connector.namespace, role)
+        self.address = address
+        self.interval = config.registry.heartbeat_seconds
+        self.client: aioredis.Redis = async_client(config.connector.url, retries=0)
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._beat()
+        self.task = asyncio.create_task(self._run(), name="registry-heartbeat")
+        logger.info("registered as %s in %s", self.address, self.key)
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        try:
+            await self.client.zrem(self.key, self.address)
+        except redis.RedisError as e:
+            logger.warning("could not deregister %s: %s", self.address, e)
+        await self.client.aclose()
+
+    async def _beat(self) -> None:
+        await self.client.zadd(self.key, {self.address: int(time.time() * 1000)})
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self._beat()
+            except redis.RedisError as e:  # Redis away: keep trying, the TTL covers the gap
+                logger.warning("heartbeat to the registry failed: %s", e)
+
+
+class Registration:
+    """A role's place in the registry: `start` once SERVING, `stop` when draining (both no-ops
+    with the registry off). Pass them to run_role as on_serving / on_drain."""
+
+    def __init__(self, config: ClusterConfig, role: str, listen: str, advertise: str | None):
+        self.heartbeat = (
+            Heartbeat(config, role, advertised_address(listen, advertise))
+            if config.registry.enabled
+            else None
+        )
+
+    async def start(self) -> None:
+        if self.heartbeat is not None:
+            await self.heartbeat.start()
+
+    async def stop(self) -> None:
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
+
+
+async def live_workers(client: aioredis.Redis, namespace: str, role: str, ttl: float) -> set[str]:
+    """Addresses whose heartbeat is younger than `ttl` seconds; prunes long-dead ones."""
+    key = registry_key(namespace, role)
+    now_ms = int(time.time() * 1000)
+    pipe = client.pipeline(transaction=False)
+    pipe.zrangebyscore(key, now_ms - int(ttl * 1000), "+inf")
+    pipe.zremrangebyscore(key, "-inf", now_ms - int(60 * ttl * 1000))
+    members, _ = await pipe.execute()
+    return {m.decode() if isinstance(m, bytes) else m for m in members}
