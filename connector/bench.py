@@ -37,7 +37,7 @@ def _interleaved(nbytes: int, baseline: Callable[[int], object], ours: Callable[
     return nbytes * n / spent[0] / 1e9, nbytes * n / spent[1] / 1e9
 
 
-def bench_size(url: str, size_mib: float, rounds: int) -> dict:
+def bench_size(url: str, size_mib: float, rounds: int, mib_per_round: float = 64) -> dict:
     width = 2048
     rows = max(1, int(size_mib * 2**20) // (2 * width))
     tensor = torch.randn(rows, width).to(torch.bfloat16)
@@ -45,7 +45,7 @@ def bench_size(url: str, size_mib: float, rounds: int) -> dict:
     raw = redis.Redis.from_url(url)
     ours = ECConnector(url, FP, registry=None)
     cached = ECConnector(url, FP, registry=None, local_tier_bytes=len(value) * 2)
-    n = max(3, int(64 * 2**20 // len(value)))  # about 64 MiB moved per round and side
+    n = max(3, int(mib_per_round * 2**20 // len(value)))  # bytes moved per round and side
 
     put_raw, put_ours, get_raw, get_ours, memcpy, hit = ([] for _ in range(6))
     raw.set("raw:get", value)
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         results = []
         for size in sizes:
-            r = bench_size(url, size, args.rounds)
+            r = bench_size(url, size, args.rounds, args.mib_per_round)
             results.append(r)
             print(
                 f"{size:g} MiB  put {r['put_gbps']:.2f} GB/s vs raw SET {r['raw_set_gbps']:.2f}"
@@ -133,4 +133,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", help="benchmark this Redis (default: an embedded one)")
     p.add_argument("--sizes", default="0.25,4,16", help="entry sizes in MiB (default 0.25,4,16)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians reported")
+    p.add_argument("--mib-per-round", type=float, default=64, help="data moved per round and side")
     p.set_defaults(func=run)
