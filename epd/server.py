@@ -92,6 +92,13 @@ class RoleServer:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"{self.role} is draining; send this elsewhere"
             )
+        async with self.track():
+            yield
+
+    @contextlib.asynccontextmanager
+    async def track(self) -> AsyncIterator[None]:
+        """Count work in flight that is not a gRPC call (the proxy's HTTP requests), so that
+        draining waits for it too. The caller refuses new work while `draining` itself."""
         self.inflight += 1
         self._idle.clear()
         try:

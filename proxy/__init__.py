@@ -1,5 +1,5 @@
-"""The proxy: gRPC Inference + OpenAI-compatible HTTP, cache-aware scheduling and routing."""
+"""The proxy: gRPC Inference + the OpenAI HTTP API, cache-aware scheduling and routing.
 
-from proxy.server import main
-
-__all__ = ["main"]
+server.py starts it (`epd proxy`); prepare.py turns requests into token ids and hashed items;
+frontend.py runs one request through encoders and LM workers; workers.py knows the workers.
+"""

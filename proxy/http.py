@@ -1,32 +1,174 @@
-"""The proxy's HTTP API (aiohttp): OpenAI-compatible routes, /health and /metrics."""
+"""The proxy's HTTP API (aiohttp): the OpenAI chat completions API, /health, /metrics.
+
+    POST /v1/chat/completions   streaming (SSE) or not; content parts text, image_url (data:
+                                URLs; the proxy fetches nothing), input_audio; vLLM's extensions
+                                top_k, ignore_eos, return_token_ids
+    GET  /v1/models             the served model
+    GET  /health                per role: healthy / degraded / unavailable (503 when nothing
+                                can serve)
+    GET  /metrics               Prometheus
+
+The official `openai` client works against it unchanged. Errors come in the OpenAI shape.
+"""
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import logging
 import time
+import uuid
+from typing import TYPE_CHECKING, Any
 
+import grpc
 import prometheus_client
 from aiohttp import web
 
+from epd.media import AudioClip, MediaInput
+from models import MediaError
 from proto import epd_pb2
+from proxy.encode import Unavailable
+from proxy.prepare import BadInput, ChatMessage, Part
+
+if TYPE_CHECKING:
+    from epd.server import RoleServer
+    from proxy.server import Proxy
 
 logger = logging.getLogger(__name__)
 
+FINISH = {
+    epd_pb2.FINISH_REASON_STOP: "stop",
+    epd_pb2.FINISH_REASON_LENGTH: "length",
+    epd_pb2.FINISH_REASON_ABORT: "abort",
+}
 
-def openai_error(status: int, message: str, kind: str) -> web.Response:
-    """An error in the OpenAI API's shape, which its client libraries parse."""
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}},
-        status=status,
-    )
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+def error_of(e: Exception) -> HttpError:
+    """The HTTP error for an exception raised while serving a request."""
+    from proxy.server import ModelNotFound, Overloaded
+
+    if isinstance(e, HttpError):
+        return e
+    if isinstance(e, BadInput | MediaError):
+        return HttpError(400, str(e), "BadRequestError")
+    if isinstance(e, ModelNotFound):
+        return HttpError(404, str(e), "NotFoundError", "model")
+    if isinstance(e, Overloaded):
+        return HttpError(429, str(e), "RateLimitError")
+    if isinstance(e, Unavailable):
+        return HttpError(503, str(e), "ServiceUnavailableError")
+    if isinstance(e, grpc.aio.AioRpcError):
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return HttpError(504, f"LM worker: {e.details()}", "TimeoutError")
+        return HttpError(502, f"LM worker: {e.code().name}: {e.details()}", "APIError")
+    logger.exception("unexpected error", exc_info=e)
+    return HttpError(500, f"internal error: {e}", "InternalServerError")
+
+
+def _data_url(url: str, what: str) -> bytes:
+    if not url.startswith("data:"):
+        raise BadInput(f"{what}: only data: URLs are supported (the proxy fetches nothing)")
+    header, _, payload = url.partition(",")
+    try:
+        if header.endswith(";base64"):
+            return base64.b64decode(payload, validate=True)
+    except binascii.Error:
+        raise BadInput(f"{what}: the data URL's base64 payload is invalid") from None
+    raise BadInput(f"{what}: data URLs must be base64-encoded")
+
+
+def parse_messages(messages: Any) -> tuple[list[ChatMessage], list[MediaInput]]:
+    """OpenAI chat messages -> our chat form and the media items they carry, in order."""
+    if not isinstance(messages, list) or not messages:
+        raise BadInput("messages must be a non-empty list")
+    chat, media = [], []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise BadInput(f"messages[{i}] must be an object with a role")
+        content = m.get("content") or ""
+        if isinstance(content, str):
+            chat.append(ChatMessage(m["role"], (Part(text=content),)))
+            continue
+        if not isinstance(content, list):
+            raise BadInput(f"messages[{i}].content must be a string or a list of parts")
+        parts = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append(Part(text=str(part.get("text", ""))))
+            elif kind == "image_url":
+                image = part.get("image_url")
+                url = image.get("url") if isinstance(image, dict) else image
+                if not isinstance(url, str):
+                    raise BadInput(f"{where}: image_url needs a url")
+                uuid_ = part.get("uuid") or ""
+                media.append(MediaInput("image", image=_data_url(url, where), uuid=uuid_))
+                parts.append(Part(media_index=len(media) - 1))
+            elif kind == "input_audio":
+                audio = part.get("input_audio") or {}
+                try:
+                    data = base64.b64decode(audio.get("data", ""), validate=True)
+                except binascii.Error:
+                    raise BadInput(f"{where}: input_audio.data is not valid base64") from None
+                if audio.get("format", "wav") != "wav":
+                    raise BadInput(f"{where}: input_audio format must be wav")
+                media.append(MediaInput("audio", audio=AudioClip(data, "wav", 0)))
+                parts.append(Part(media_index=len(media) - 1))
+            else:
+                raise BadInput(f"{where}: unsupported content part type {kind!r}")
+        chat.append(ChatMessage(m["role"], tuple(parts)))
+    return chat, media
+
+
+def parse_sampling(body: dict) -> epd_pb2.SamplingParams:
+    s = epd_pb2.SamplingParams(ignore_eos=bool(body.get("ignore_eos", False)))
+    try:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None:
+            s.max_tokens = int(max_tokens)
+        for key in ("temperature", "top_p"):
+            if body.get(key) is not None:
+                setattr(s, key, float(body[key]))
+        if body.get("top_k") is not None:
+            s.top_k = max(int(body["top_k"]), 0)  # vLLM: -1 means off
+        if body.get("seed") is not None:
+            s.seed = int(body["seed"]) % 2**64
+        stop = body.get("stop")
+        if stop:
+            s.stop.extend([stop] if isinstance(stop, str) else [str(x) for x in stop])
+        if body.get("logprobs"):
+            s.logprobs = int(body.get("top_logprobs") or 0)
+    except (TypeError, ValueError) as e:
+        raise BadInput(f"bad sampling parameter: {e}") from None
+    if int(body.get("n", 1)) != 1:
+        raise BadInput("only n=1 is supported")
+    return s
 
 
 class HttpApi:
-    def __init__(self, card: epd_pb2.ModelCard):
-        self.card = card
-        self.created = int(time.time())
+    def __init__(self, proxy_ref: list[Proxy], role: RoleServer):
+        self._proxy = proxy_ref
+        self.role = role
         self.serving = False
-        self.app = web.Application()
+        self.app = web.Application(client_max_size=256 * 1024 * 1024)
         self.app.add_routes(
             [
                 web.get("/health", self.health),
@@ -37,8 +179,12 @@ class HttpApi:
         )
         self.runner: web.AppRunner | None = None
 
+    @property
+    def proxy(self) -> Proxy:
+        return self._proxy[0]
+
     async def start(self, host: str, port: int) -> None:
-        self.runner = web.AppRunner(self.app, access_log=None)
+        self.runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port)
         try:
@@ -52,34 +198,195 @@ class HttpApi:
             await self.runner.cleanup()
             self.runner = None
 
+    # -- routes -------------------------------------------------------------------------------
+
     async def health(self, request: web.Request) -> web.Response:
-        status = "serving" if self.serving else "not serving"
-        return web.json_response({"status": status}, status=200 if self.serving else 503)
+        if not self.serving:
+            return web.json_response({"status": "unavailable", "proxy": "not serving"}, status=503)
+        roles = {}
+        for pool in (self.proxy.encoders, self.proxy.lms):
+            roles[pool.role] = {
+                "status": pool.summary(),
+                "workers": [
+                    {
+                        "address": w.address,
+                        "status": w.status,
+                        "circuit": w.breaker.state.value,
+                        "source": w.source,
+                        "last_error": w.last_error,
+                    }
+                    for w in pool.workers.values()
+                ],
+            }
+        # Text-only requests need just an LM worker; media needs an encoder too.
+        lm, enc = roles["lm"]["status"], roles["encoder"]["status"]
+        overall = "unavailable" if lm == "unavailable" else (
+            "healthy" if lm == enc == "healthy" else "degraded"
+        )  # fmt: skip
+        body = {"status": overall, "proxy": "serving", "roles": roles}
+        return web.json_response(body, status=503 if overall == "unavailable" else 200)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = prometheus_client.generate_latest()
         return web.Response(
-            body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST}
+            body=prometheus_client.generate_latest(),
+            headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST},
         )
 
     async def models(self, request: web.Request) -> web.Response:
+        if not self._proxy:
+            return web.json_response(HttpError(503, "starting", "ServiceUnavailableError").body(),
+                                     status=503)  # fmt: skip
+        card = self.proxy.card
         return web.json_response(
             {
                 "object": "list",
                 "data": [
                     {
-                        "id": self.card.id,
+                        "id": card.id,
                         "object": "model",
-                        "created": self.created,
+                        "created": 0,
                         "owned_by": "epd",
+                        "max_model_len": card.max_model_len,
                     }
                 ],
             }
         )
 
-    async def chat_completions(self, request: web.Request) -> web.Response:
-        return openai_error(
-            501,
-            "chat completions are not implemented in this build (they land with issue 7)",
-            "not_implemented",
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        if not self.serving:
+            e = HttpError(503, "the proxy is not serving (starting or draining)",
+                          "ServiceUnavailableError")  # fmt: skip
+            return web.json_response(e.body(), status=e.status)
+        status = 200
+        async with self.role.track():
+            try:
+                return await self._chat(request)
+            except Exception as e:
+                error = error_of(e)
+                status = error.status
+                return web.json_response(error.body(), status=error.status)
+            finally:
+                self.proxy.metrics.requests.labels("http", str(status)).inc()
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BadInput("the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadInput("the body must be a JSON object")
+        proxy = self.proxy
+        proxy.check_model(body.get("model") or "")
+        chat, media = parse_messages(body.get("messages"))
+        sampling = parse_sampling(body)
+        return_ids = bool(body.get("return_token_ids", False))
+        request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        prepared = await proxy.prepare(
+            proxy.builder.build, chat, media, sampling, request_id, False, return_ids
         )
+        chunks = proxy.run(prepared, None)
+        if body.get("stream"):
+            options = body.get("stream_options") or {}
+            return await self._stream(request, prepared, chunks, bool(options.get("include_usage")))
+        text, token_ids, logprobs, last = [], [], [], None
+        async for chunk in chunks:
+            text.append(chunk.text)
+            token_ids.extend(chunk.token_ids)
+            logprobs.extend(chunk.logprobs)
+            last = chunk
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": "".join(text)},
+            "logprobs": self._logprobs(token_ids, logprobs)
+            if sampling.HasField("logprobs")
+            else None,
+            "finish_reason": FINISH.get(last.finish_reason, "stop"),
+        }
+        response = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": proxy.served.name,
+            "choices": [choice],
+            "usage": _usage(last.usage),
+        }
+        if return_ids:
+            choice["token_ids"] = token_ids
+            response["prompt_token_ids"] = prepared.prompt_token_ids
+        return web.json_response(response)
+
+    async def _stream(self, request, prepared, chunks, include_usage: bool) -> web.StreamResponse:
+        """Server-sent events in the OpenAI chunk format, then `data: [DONE]`."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})  # fmt: skip
+        name = self.proxy.served.name
+        created = int(time.time())
+        return_ids = prepared.return_prompt_token_ids
+        started = False
+
+        def event(delta: dict, finish: str | None = None, **extra) -> bytes:
+            payload = {
+                "id": prepared.request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": name,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}],
+            }
+            return f"data: {json.dumps(payload)}\n\n".encode()
+
+        try:
+            last = None
+            async for chunk in chunks:
+                if not started:  # headers go out once the request is known to be valid
+                    await response.prepare(request)
+                    first = {"role": "assistant", "content": ""}
+                    extra = {"prompt_token_ids": prepared.prompt_token_ids} if return_ids else {}
+                    await response.write(event(first, **extra))
+                    started = True
+                last = chunk
+                finish = FINISH.get(chunk.finish_reason)
+                extra = {"token_ids": chunk.token_ids} if return_ids else {}
+                if chunk.text or chunk.token_ids or finish:
+                    await response.write(event({"content": chunk.text}, finish, **extra))
+            if include_usage and last is not None:
+                payload = {"id": prepared.request_id, "object": "chat.completion.chunk",
+                           "created": created, "model": name, "choices": [],
+                           "usage": _usage(last.usage)}  # fmt: skip
+                await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+        except Exception as e:
+            if not started:
+                raise
+            error = error_of(e)
+            await response.write(f"data: {json.dumps(error.body())}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _logprobs(self, token_ids: list[int], entries: list) -> dict:
+        tokenizer = self.proxy.builder.tokenizer
+
+        def token(t: int) -> dict:
+            text = tokenizer.decode([t])
+            return {"token": text, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                {
+                    **token(t),
+                    "logprob": e.logprob,
+                    "top_logprobs": [{**token(x.token_id), "logprob": x.logprob} for x in e.top],
+                }
+                for t, e in zip(token_ids, entries, strict=False)
+            ]
+        }
+
+
+def _usage(usage: epd_pb2.Usage | None) -> dict:
+    if usage is None:
+        return {}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }

@@ -33,7 +33,8 @@ class Up:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, **(env or {})},
+            # A small KV cache: these tests start several clusters on one 2-core machine.
+            env={**os.environ, "EPD_LM_KV_CACHE_BYTES": "64MiB", **(env or {})},
         )
         self.stdout: list[str] = []
 
@@ -64,11 +65,13 @@ def assert_all_gone(processes: list[psutil.Process], timeout: float = 15) -> Non
 
 
 @pytest.fixture
-def up():
+def up(tiny_checkpoint):
+    """up(*args) -> a started `epd up` on the tiny model (builtin=True: on the default one)."""
     started: list[Up] = []
 
-    def start(*args, **kwargs) -> Up:
-        started.append(Up(*args, **kwargs))
+    def start(*args, builtin: bool = False, **kwargs) -> Up:
+        model = () if builtin else ("--model", str(tiny_checkpoint))
+        started.append(Up(*model, *args, **kwargs))
         return started[-1]
 
     yield start
@@ -79,7 +82,8 @@ def up():
 
 
 def test_up_serves_and_ctrl_c_leaves_nothing_behind(up):
-    cluster = up("--encoders", "2", "--lm-workers", "1")
+    # No --model: the built-in model, written on first use (into the tests' private cache).
+    cluster = up("--encoders", "2", "--lm-workers", "1", builtin=True)
     cluster.wait_serving()
     out = "".join(cluster.stdout)
     assert f"127.0.0.1:{cluster.grpc_port}" in out
@@ -93,22 +97,29 @@ def test_up_serves_and_ctrl_c_leaves_nothing_behind(up):
     assert sum("valkey-server" in n for n in names) == 1
 
     assert health_status(f"127.0.0.1:{cluster.grpc_port}") == "SERVING"
-    assert cluster.http_get("/health") == (200, {"status": "serving"})
+    status, health = cluster.http_get("/health")
+    assert status == 200 and health["status"] == "healthy"
+    assert len(health["roles"]["encoder"]["workers"]) == 2
     status, models = cluster.http_get("/v1/models")
     assert status == 200 and models["data"][0]["id"] == "epd-builtin"
     with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
         reply = epd_pb2_grpc.InferenceStub(channel).ListModels(epd_pb2.ListModelsRequest())
     assert reply.models[0].id == "epd-builtin"
 
-    # The client reaches the proxy; generation itself lands with the proxy issue and says so.
+    # The client answers through the whole cluster: the proxy, the encoders, the LM worker.
     result = subprocess.run(
-        epd_command("generate", "Hello", "--target", f"127.0.0.1:{cluster.grpc_port}"),
+        epd_command(
+            "generate", "Hello", "--target", f"127.0.0.1:{cluster.grpc_port}",
+            "--max-tokens", "4", "--json",
+        ),
         capture_output=True,
         text=True,
-        timeout=60,
-    )
-    assert result.returncode == 1
-    assert "UNIMPLEMENTED: Inference.Generate is not implemented" in result.stderr
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(answer["token_ids"]) >= 1
+    assert answer["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
 
     cluster.proc.send_signal(signal.SIGINT)
     assert cluster.proc.wait(60) == 0

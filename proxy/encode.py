@@ -1,0 +1,158 @@
+"""Encode dispatch: single flight across the whole proxy, split by load, retried elsewhere.
+
+`submit(items)` returns one future per item. An item already being encoded for any request
+joins that encode (single flight); the rest are spread over the encoders by outstanding work
+(largest items first onto the least loaded), one Encode call per chosen encoder. A call that
+fails without an answer (the worker died, timed out, is draining) is retried on another
+encoder after a jittered backoff; an item the encoder refuses (corrupt, unsupported) fails its
+future with BadInput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import defaultdict
+
+import grpc
+
+from epd.media import media_to_proto
+from proto import epd_pb2
+from proxy.metrics import ProxyMetrics
+from proxy.prepare import BadInput, PreparedItem
+from proxy.workers import Worker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+# Codes that say the call never got an answer from a working encoder: try another one.
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+}
+
+
+class Unavailable(RuntimeError):
+    """No worker could do it (UNAVAILABLE / HTTP 503)."""
+
+
+def backoff(attempt: int) -> float:
+    """Full jitter on 50 ms doubling, capped at 1 s."""
+    return random.uniform(0, min(0.05 * 2**attempt, 1.0))
+
+
+class EncodeDispatcher:
+    def __init__(self, pool: WorkerPool, metrics: ProxyMetrics, retries: int):
+        self.pool = pool
+        self.metrics = metrics
+        self.retries = retries
+        self.inflight: dict[str, asyncio.Future] = {}
+
+    def submit(
+        self, items: list[PreparedItem], deadline: float
+    ) -> tuple[list[asyncio.Future], int]:
+        """Futures of EncodeResult, one per item; and how many joined encodes in flight."""
+        loop = asyncio.get_running_loop()
+        futures, new, joined = [], [], 0
+        for item in items:
+            future = self.inflight.get(item.mm_hash)
+            if future is None:
+                future = self.inflight[item.mm_hash] = loop.create_future()
+                new.append(item)
+            else:
+                joined += 1
+            futures.append(future)
+        if new:
+            task = asyncio.create_task(self._dispatch(new, deadline))
+            task.add_done_callback(_log_crash)
+        return futures, joined
+
+    async def _dispatch(self, items: list[PreparedItem], deadline: float) -> None:
+        groups: dict[str, list[PreparedItem]] = defaultdict(list)
+        assigned: dict[str, int] = defaultdict(int)
+        usable = [w for w in self.pool.workers.values() if w.usable()]
+        if not usable:
+            usable = await self._wait_for_worker(deadline)
+        if not usable:
+            self._fail(items, Unavailable("no encoder worker is available"))
+            return
+        for item in sorted(items, key=lambda i: -i.grid.num_tokens):
+            worker = min(usable, key=lambda w: (w.queued_tokens() + assigned[w.address], w.address))
+            groups[worker.address].append(item)
+            assigned[worker.address] += item.grid.num_tokens
+        await asyncio.gather(
+            *(self._call(self.pool.workers[a], group, deadline) for a, group in groups.items())
+        )
+
+    async def _call(
+        self, worker: Worker, items: list[PreparedItem], deadline: float, attempt: int = 0
+    ) -> None:
+        tokens = sum(i.grid.num_tokens for i in items)
+        request = epd_pb2.EncodeRequest(
+            items=[
+                epd_pb2.EncodeItem(mm_hash=i.mm_hash, media=media_to_proto(i.media)) for i in items
+            ]
+        )
+        worker.outstanding += tokens
+        started = time.perf_counter()
+        try:
+            reply = await worker.stub.Encode(
+                request, timeout=max(deadline - time.monotonic(), 0.01)
+            )
+        except grpc.aio.AioRpcError as e:
+            self.pool.failed(worker, f"Encode: {e.code().name}: {e.details()}")
+            if e.code() not in RETRYABLE or attempt + 1 >= self.retries:
+                self._fail(items, Unavailable(f"encoder {worker.address}: {e.code().name}: "
+                                              f"{e.details()}"))  # fmt: skip
+                return
+            self.metrics.retries.labels("encoder").inc()
+            await asyncio.sleep(backoff(attempt))
+            other = self.pool.pick(exclude={worker.address}) or self.pool.pick()
+            if other is None:
+                self._fail(items, Unavailable("no encoder worker is available"))
+                return
+            logger.info("retrying %d items on %s (%s failed)", len(items), other.address,
+                        worker.address)  # fmt: skip
+            await self._call(other, items, deadline, attempt + 1)
+            return
+        finally:
+            worker.outstanding -= tokens
+        self.metrics.encode_dispatch.observe(time.perf_counter() - started)
+        self.pool.succeeded(worker)
+        for item, result in zip(items, reply.results, strict=True):
+            future = self.inflight.pop(item.mm_hash, None)
+            if future is None or future.done():
+                continue
+            if result.outcome == epd_pb2.ENCODE_OUTCOME_FAILED:
+                if result.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]:
+                    future.set_exception(BadInput(result.error.message))
+                else:
+                    future.set_exception(Unavailable(result.error.message))
+            else:
+                future.set_result(result)
+
+    async def _wait_for_worker(self, deadline: float) -> list[Worker]:
+        """Briefly wait for an encoder to come up (a restart, a registration)."""
+        wait = min(deadline - time.monotonic(), 2.0)
+        if wait > 0:
+            self.pool.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.pool.changed.wait(), wait)
+        return [w for w in self.pool.workers.values() if w.usable()]
+
+    def _fail(self, items: list[PreparedItem], error: Exception) -> None:
+        for item in items:
+            future = self.inflight.pop(item.mm_hash, None)
+            if future is not None and not future.done():
+                future.set_exception(error)
+
+
+def _log_crash(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("encode dispatch crashed", exc_info=task.exception())

@@ -1,0 +1,216 @@
+"""One request through the cluster, for both APIs:
+
+    has_many(all items)                       one round trip; held items go to no encoder
+    submit(missing items)                     single flight, split over encoders by load
+    LM Generate, sent at once                 the LM worker waits (notified) for embeddings
+      <- tokens stream back                   re-encode what it reports missing, continue
+      <- a dead LM before any output          retried on another one
+
+NOTE: the LM request goes out as soon as the prompt is ready instead of after the encodes:
+the LM worker's wait is woken by the connector's publish, so the prompt's text prefill and the
+queueing overlap the encoding, and a held image costs no wait at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from connector import AsyncECConnector, ConnectorError
+from proto import epd_pb2
+from proxy.encode import RETRYABLE, EncodeDispatcher, Unavailable, backoff
+from proxy.metrics import ProxyMetrics
+from proxy.prepare import BadInput, PreparedRequest
+from proxy.workers import Worker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Chunk:
+    """What the frontend streams to either API: a token delta, and on the last one the rest."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list = field(default_factory=list)  # epd_pb2.TokenLogprobs
+    finish_reason: int = epd_pb2.FINISH_REASON_UNSPECIFIED
+    usage: epd_pb2.Usage | None = None
+    timings: epd_pb2.StageTimings | None = None
+
+
+class Frontend:
+    def __init__(
+        self,
+        connector: AsyncECConnector,
+        encoders: WorkerPool,
+        lms: WorkerPool,
+        metrics: ProxyMetrics,
+        retries: int,
+    ):
+        self.connector = connector
+        self.encoders = encoders
+        self.lms = lms
+        self.metrics = metrics
+        self.retries = retries
+        self.dispatcher = EncodeDispatcher(encoders, metrics, retries)
+        self.running: dict[str, Worker] = {}  # request id -> the LM worker serving it
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running request; its stream ends with FINISH_REASON_ABORT."""
+        worker = self.running.get(request_id)
+        if worker is None:
+            return False
+        reply = await worker.stub.Abort(epd_pb2.AbortRequest(request_id=request_id), timeout=5)
+        return reply.aborted
+
+    async def generate(self, req: PreparedRequest, deadline: float) -> AsyncIterator[Chunk]:
+        usage = epd_pb2.Usage(mm_items=len(req.items))
+        timings = epd_pb2.StageTimings(preprocess_seconds=req.preprocess_seconds)
+        encodes: list[asyncio.Future] = []
+        if req.items:
+            started = time.perf_counter()
+            hashes = [i.mm_hash for i in req.items]
+            try:
+                held = await self.connector.has_many(hashes)
+            except ConnectorError as e:
+                # Without the cache's answer every item is encoded; encoders skip what is held.
+                logger.warning("has_many failed (%s): encoding every item", e)
+                held = [False] * len(hashes)
+            timings.cache_lookup_seconds = time.perf_counter() - started
+            missing = [i for i, h in zip(req.items, held, strict=True) if not h]
+            usage.mm_items_held = len(req.items) - len(missing)
+            self.metrics.mm_items.labels("held").inc(usage.mm_items_held)
+            if missing:
+                encodes, joined = self.dispatcher.submit(missing, deadline)
+                for f in encodes:  # retrieved even if this request ends first
+                    f.add_done_callback(_consume)
+                usage.mm_items_deduplicated = joined
+                usage.mm_items_encoded = len(missing) - joined
+                self.metrics.mm_items.labels("deduplicated").inc(joined)
+                self.metrics.mm_items.labels("encoded").inc(len(missing) - joined)
+        encode_started = time.perf_counter()
+        encode_watch = asyncio.ensure_future(self._encodes_done(encodes, timings, encode_started))
+        try:
+            async for chunk in self._stream_lm(req, deadline, encode_watch):
+                if chunk.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
+                    chunk.usage.MergeFrom(usage)
+                    chunk.timings.MergeFrom(timings)
+                yield chunk
+        finally:
+            encode_watch.cancel()
+
+    async def _encodes_done(self, encodes, timings: epd_pb2.StageTimings, started: float) -> None:
+        """Raises the first encode failure (the request is answered with it)."""
+        if encodes:
+            await asyncio.gather(*encodes)
+            timings.encode_seconds = time.perf_counter() - started
+
+    async def _stream_lm(
+        self, req: PreparedRequest, deadline: float, encode_watch: asyncio.Future
+    ) -> AsyncIterator[Chunk]:
+        msg = epd_pb2.LMGenerateRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling
+        )
+        for item in req.items:
+            t, h, w = item.grid.grid_thw
+            msg.mm_features.add(
+                mm_hash=item.mm_hash,
+                modality={"image": epd_pb2.MODALITY_IMAGE, "video": epd_pb2.MODALITY_VIDEO}[
+                    item.grid.modality
+                ],
+                offset=item.offset,
+                length=item.length,
+                grid=epd_pb2.GridTHW(t=t, h=h, w=w),
+                second_per_grid_t=item.grid.second_per_grid_t or 0.0,
+            )
+        tried: set[str] = set()
+        for attempt in range(self.retries):
+            worker = self.lms.pick(exclude=tried) or self.lms.pick()
+            if worker is None:
+                raise Unavailable("no LM worker is available")
+            tried.add(worker.address)
+            produced = False
+            tokens = len(req.prompt_token_ids)
+            worker.outstanding += tokens
+            self.running[req.request_id] = worker
+            call = worker.stub.Generate(msg, timeout=max(deadline - time.monotonic(), 0.01))
+            try:
+                async for chunk in self._relay(call, req, deadline, encode_watch):
+                    produced = True
+                    yield chunk
+                self.lms.succeeded(worker)
+                return
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise BadInput(e.details()) from None
+                if code in RETRYABLE:
+                    self.lms.failed(worker, f"Generate: {code.name}: {e.details()}")
+                if produced or code not in RETRYABLE or attempt + 1 >= self.retries:
+                    raise
+                self.metrics.retries.labels("lm").inc()
+                await asyncio.sleep(backoff(attempt))
+            finally:
+                worker.outstanding -= tokens
+                self.running.pop(req.request_id, None)
+                call.cancel()  # no-op when finished; aborts the LM request otherwise
+
+    async def _relay(self, call, req: PreparedRequest, deadline: float, encode_watch):
+        """LM responses as Chunks; re-encodes what the LM reports missing; an encode failure
+        ends the request with it."""
+        stream = call.__aiter__()
+        while True:
+            next_msg = asyncio.ensure_future(stream.__anext__())
+            waiting = {next_msg} if encode_watch.done() else {next_msg, encode_watch}
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if encode_watch in done and encode_watch.exception() is not None:
+                next_msg.cancel()
+                raise encode_watch.exception()
+            try:
+                msg = await next_msg
+            except StopAsyncIteration:
+                return
+            if msg.missing_mm_hashes:
+                await self._reencode(req, list(msg.missing_mm_hashes), deadline)
+                continue
+            chunk = Chunk(
+                token_ids=list(msg.token_ids),
+                text=msg.text,
+                logprobs=list(msg.logprobs),
+                finish_reason=msg.finish_reason,
+            )
+            if msg.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
+                chunk.usage = epd_pb2.Usage()
+                chunk.usage.CopyFrom(msg.usage)
+                chunk.timings = epd_pb2.StageTimings()
+                chunk.timings.CopyFrom(msg.timings)
+            yield chunk
+
+    async def _reencode(self, req: PreparedRequest, hashes: list[str], deadline: float) -> None:
+        """The LM worker cannot find these: encode them again unless an encode is in flight
+        or they were published meanwhile."""
+        candidates = [h for h in hashes if h not in self.dispatcher.inflight]
+        if not candidates:
+            return
+        try:
+            held = await self.connector.has_many(candidates)
+        except ConnectorError:
+            held = [False] * len(candidates)
+        lost = [req.item(h) for h, ok in zip(candidates, held, strict=True) if not ok]
+        if lost:
+            logger.info("%s: re-encoding %d items the LM worker found missing", req.request_id,
+                        len(lost))  # fmt: skip
+            self.metrics.reencodes.inc(len(lost))
+            futures, _ = self.dispatcher.submit(lost, deadline)
+            for f in futures:  # failures surface through the LM's wait timing out
+                f.add_done_callback(_consume)
+
+
+def _consume(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()

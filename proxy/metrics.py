@@ -1,0 +1,51 @@
+"""The proxy's Prometheus metrics. The names are a contract: operators build dashboards on
+them (deploy/ has a Grafana dashboard)."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_GAPS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry | None = REGISTRY):
+        kw = {"registry": registry}
+        self.requests = Counter(
+            "epd_requests_total", "Requests by API and final status", ["api", "status"], **kw
+        )
+        self.ttft = Histogram(
+            "epd_time_to_first_token_seconds", "Proxy arrival to first token", buckets=LATENCY, **kw
+        )
+        self.itl = Histogram(
+            "epd_inter_token_latency_seconds", "Time between streamed tokens", buckets=TOKEN_GAPS,
+            **kw,
+        )  # fmt: skip
+        self.mm_items = Counter(
+            "epd_mm_items_total",
+            "Media items by what the proxy did: held (cached, no encode), encoded, deduplicated "
+            "(joined an encode already in flight)",
+            ["result"],
+            **kw,
+        )
+        self.encode_dispatch = Histogram(
+            "epd_encode_dispatch_seconds", "Encode call to an encoder, sent to answered",
+            buckets=LATENCY, **kw,
+        )  # fmt: skip
+        self.worker_up = Gauge(
+            "epd_worker_up", "1 while the worker reports SERVING", ["role", "worker"], **kw
+        )
+        self.worker_circuit_open = Gauge(
+            "epd_worker_circuit_open", "1 while the worker's circuit breaker is open",
+            ["role", "worker"], **kw,
+        )  # fmt: skip
+        self.reencodes = Counter(
+            "epd_reencodes_total",
+            "Items encoded again because an LM worker found them missing (evicted, flushed)",
+            **kw,
+        )
+        self.pending = Gauge("epd_pending_requests", "Requests in flight in the proxy", **kw)
+        self.retries = Counter(
+            "epd_retries_total", "Calls retried on another worker", ["role"], **kw
+        )

@@ -1,0 +1,213 @@
+"""From a client request to what the cluster works on, before any media is decoded.
+
+    prompt (text | chat | token ids) + media items
+      -> mm_hash per item (model fingerprint, modality, processor kwargs, raw bytes; or the
+         client's uuid)                                         [never decodes a pixel]
+      -> grid and placeholder count per item, from its header alone
+      -> token ids from the chat template, placeholders expanded, (offset, length) per item
+
+Both APIs (gRPC Inference and the OpenAI HTTP API) come here with the same `ChatMessage` form.
+Every problem with the input raises BadInput (INVALID_ARGUMENT / HTTP 400).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from epd.media import MediaInput, media_grid
+from epd.served_model import ServedModel
+from models import (
+    MediaError,
+    MediaGrid,
+    MediaProcessor,
+    Tokenizer,
+    expand_placeholders,
+    load_arch_config,
+)
+from proto import epd_pb2
+
+HASH_VERSION = b"epd-mm-hash-v1"
+
+
+class BadInput(ValueError):
+    """The request cannot be served as sent; the message says why (INVALID_ARGUMENT / 400)."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One content part of a chat message: text, or a reference to a media item."""
+
+    text: str | None = None
+    media_index: int | None = None
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    parts: tuple[Part, ...]
+
+
+@dataclass
+class PreparedItem:
+    mm_hash: str
+    media: MediaInput
+    grid: MediaGrid
+    offset: int = 0  # first placeholder token in the expanded prompt
+    length: int = 0  # placeholder tokens
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    items: list[PreparedItem]  # in prompt order
+    sampling: epd_pb2.SamplingParams
+    return_prompt_token_ids: bool = False
+    preprocess_seconds: float = 0.0
+    arrival: float = field(default_factory=time.monotonic)
+
+    def item(self, mm_hash: str) -> PreparedItem:
+        return next(i for i in self.items if i.mm_hash == mm_hash)
+
+
+def mm_hash(fingerprint: str, item: MediaInput) -> str:
+    """The item's cache identity: its raw bytes (or the client's uuid), modality and processor
+    kwargs, under the model's fingerprint. Equal bytes give equal hashes whatever URL or
+    filename they came from."""
+    h = hashlib.blake2b(HASH_VERSION, digest_size=20)
+    for piece in (fingerprint, item.modality, json.dumps(item.kwargs, sort_keys=True)):
+        h.update(len(piece).to_bytes(4, "little") + piece.encode())
+    if item.uuid:
+        h.update(b"uuid:" + item.uuid.encode())
+    elif item.modality == "image":
+        h.update(item.image)
+    elif item.modality == "video":
+        h.update(repr(float(item.fps)).encode())
+        for frame in item.frames:
+            h.update(len(frame).to_bytes(8, "little") + frame)
+    else:
+        audio = item.audio
+        h.update(f"{audio.format}:{audio.sample_rate}:".encode() + audio.data)
+    return h.hexdigest()
+
+
+class RequestBuilder:
+    """Turns prompts and media into PreparedRequests for one served model."""
+
+    def __init__(self, served: ServedModel):
+        self.served = served
+        self.tokenizer = Tokenizer.from_dir(served.path)
+        self.processor = MediaProcessor.from_checkpoint(served.path)
+        arch = load_arch_config(served.path)
+        self.placeholder = {
+            "image": arch.tokens.image_token_id,
+            "video": arch.tokens.video_token_id,
+        }
+        self.max_position_embeddings = arch.text.max_position_embeddings
+
+    def build(
+        self,
+        prompt: str | Sequence[ChatMessage] | Sequence[int],
+        media: Sequence[MediaInput],
+        sampling: epd_pb2.SamplingParams,
+        request_id: str = "",
+        continue_final_message: bool = False,
+        return_prompt_token_ids: bool = False,
+    ) -> PreparedRequest:
+        started = time.perf_counter()
+        if isinstance(prompt, str):
+            ids, order = self.tokenizer.encode(prompt), list(range(len(media)))
+        elif prompt and isinstance(prompt[0], ChatMessage):
+            ids, order = self._chat(prompt, media, continue_final_message)
+        else:
+            ids, order = [int(t) for t in prompt], list(range(len(media)))
+        if not ids:
+            raise BadInput("the prompt is empty")
+        items = []
+        for index in order:
+            item = media[index]
+            try:
+                grid = media_grid(self.processor, item)
+            except MediaError as e:
+                raise BadInput(f"media item {index}: {e.reason}") from None
+            items.append(PreparedItem(mm_hash(self.served.fingerprint, item), item, grid))
+        ids = self._expand(ids, items)
+        return PreparedRequest(
+            request_id=request_id or f"req-{uuid.uuid4().hex[:20]}",
+            prompt_token_ids=ids,
+            items=items,
+            sampling=sampling,
+            return_prompt_token_ids=return_prompt_token_ids,
+            preprocess_seconds=time.perf_counter() - started,
+        )
+
+    def _chat(
+        self, messages: Sequence[ChatMessage], media: Sequence[MediaInput], continue_final: bool
+    ) -> tuple[list[int], list[int]]:
+        """Token ids of the rendered template, and the media indices in prompt order."""
+        rendered, order = [], []
+        for m in messages:
+            if m.role not in ("system", "user", "assistant"):
+                raise BadInput(f"unknown chat role {m.role!r} (system, user or assistant)")
+            content: list[dict[str, Any]] = []
+            for part in m.parts:
+                if part.media_index is None:
+                    content.append({"type": "text", "text": part.text or ""})
+                    continue
+                if not 0 <= part.media_index < len(media):
+                    raise BadInput(
+                        f"media_index {part.media_index} is out of range ({len(media)} items)"
+                    )
+                if part.media_index in order:
+                    raise BadInput(f"media item {part.media_index} is referenced twice")
+                order.append(part.media_index)
+                kind = media[part.media_index].modality
+                if kind == "audio":
+                    raise BadInput(
+                        f"media item {part.media_index}: audio items need an audio encoder; "
+                        "this model has none"
+                    )
+                content.append({"type": kind})
+            rendered.append({"role": m.role, "content": content})
+        if len(order) != len(media):
+            unused = sorted(set(range(len(media))) - set(order))
+            raise BadInput(f"media items {unused} are not referenced by any message part")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                rendered, add_generation_prompt=not continue_final
+            )
+        except Exception as e:  # the checkpoint's template rejected the conversation
+            raise BadInput(f"the chat template refused the messages: {e}") from None
+        if continue_final:
+            # Cut the rendered text right after the final message's last text, so the model
+            # continues it instead of opening a new turn.
+            tail = next((p.text for p in reversed(messages[-1].parts) if p.text), None)
+            if not tail or tail not in text:
+                raise BadInput("continue_final_message needs a final message ending in text")
+            text = text[: text.rindex(tail) + len(tail)]
+        return self.tokenizer.encode(text), order
+
+    def _expand(self, ids: list[int], items: list[PreparedItem]) -> list[int]:
+        placeholder_ids = set(self.placeholder.values())
+        found = [t for t in ids if t in placeholder_ids]
+        if len(found) != len(items):
+            raise BadInput(
+                f"the prompt has {len(found)} media placeholders for {len(items)} media items "
+                "(text must not contain placeholder tokens; in chat prompts media goes in "
+                "media parts)"
+            )
+        for token, item in zip(found, items, strict=True):
+            if token != self.placeholder[item.grid.modality]:
+                raise BadInput(f"a {item.grid.modality} item sits at another kind's placeholder")
+        expanded, runs = expand_placeholders(
+            ids, tuple(self.placeholder.values()), [i.grid.num_tokens for i in items]
+        )
+        for item, (offset, length) in zip(items, runs, strict=True):
+            item.offset, item.length = offset, length
+        return expanded

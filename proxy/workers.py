@@ -1,0 +1,251 @@
+"""The proxy's view of its workers: who is there, who is healthy, who is least loaded.
+
+Each worker has a gRPC channel, a grpc.health.v1 Watch stream (SERVING or not, seen the moment
+it changes; a broken stream marks it down), a circuit breaker (opened by consecutive failed
+calls, half-open after a cooldown), its last reported load (GetLoad, polled) and the proxy's own
+count of work it has sent there and not seen finish. Workers come from the static addresses in
+the config and from the Redis registry (epd/registry.py), re-read every `refresh` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import Gauge
+
+from epd.registry import live_workers
+from epd.server import GRPC_OPTIONS
+from proto import epd_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class Circuit(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half-open"
+
+
+@dataclass
+class Breaker:
+    failures_to_open: int
+    cooldown: float
+    failures: int = 0
+    opened_at: float = 0.0
+    state: Circuit = Circuit.CLOSED
+
+    def allows(self) -> bool:
+        if self.state is Circuit.OPEN and time.monotonic() - self.opened_at >= self.cooldown:
+            self.state = Circuit.HALF_OPEN  # one call may try
+        return self.state is not Circuit.OPEN
+
+    def success(self) -> None:
+        self.failures = 0
+        self.state = Circuit.CLOSED
+
+    def failure(self) -> None:
+        self.failures += 1
+        if self.state is Circuit.HALF_OPEN or self.failures >= self.failures_to_open:
+            self.state = Circuit.OPEN
+            self.opened_at = time.monotonic()
+
+
+@dataclass
+class Worker:
+    role: str
+    address: str
+    source: str  # "static" | "registry"
+    channel: grpc.aio.Channel
+    stub: Any
+    breaker: Breaker
+    status: str = "UNKNOWN"  # SERVING | NOT_SERVING | UNREACHABLE | UNKNOWN
+    load: Any = None  # the last EncoderLoad / LMLoad
+    outstanding: int = 0  # tokens the proxy sent and has not seen finish
+    last_error: str = ""
+    since: float = field(default_factory=time.time)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def up(self) -> bool:
+        return self.status == "SERVING"
+
+    def usable(self) -> bool:
+        return self.up and self.breaker.allows()
+
+    def queued_tokens(self) -> int:
+        """What the worker reported waiting plus what the proxy sent since (its own count)."""
+        if self.load is None:
+            return self.outstanding
+        if self.role == "encoder":
+            reported = self.load.queued_tokens
+        else:
+            reported = self.load.running_tokens + self.load.waiting_tokens
+        return max(reported, self.outstanding)
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        role: str,  # "encoder" | "lm"
+        stub_cls: Callable,
+        static: tuple[str, ...],
+        config,  # ClusterConfig
+        redis_client=None,
+        up_gauge: Gauge | None = None,
+        circuit_gauge: Gauge | None = None,
+    ):
+        self.role = role
+        self.stub_cls = stub_cls
+        self.static = static
+        self.config = config
+        self.redis = redis_client
+        self.workers: dict[str, Worker] = {}
+        self.up_gauge = up_gauge
+        self.circuit_gauge = circuit_gauge
+        self._tasks: list[asyncio.Task] = []
+        self.changed = asyncio.Event()  # set whenever a worker comes up
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for address in self.static:
+            self._add(address, "static")
+        if self.redis is not None and self.config.registry.enabled:
+            await self._refresh()
+            self._tasks.append(asyncio.create_task(self._discover(), name=f"{self.role}-discover"))
+        self._tasks.append(asyncio.create_task(self._poll_load(), name=f"{self.role}-load"))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for worker in list(self.workers.values()):
+            await self._remove(worker.address)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _add(self, address: str, source: str) -> Worker:
+        channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        p = self.config.proxy
+        worker = Worker(
+            self.role, address, source, channel, self.stub_cls(channel),
+            Breaker(p.circuit_failures, p.circuit_cooldown_seconds),
+        )  # fmt: skip
+        self.workers[address] = worker
+        worker.tasks.append(asyncio.create_task(self._watch(worker), name=f"watch-{address}"))
+        logger.info("%s %s added (%s)", self.role, address, source)
+        self._export(worker)
+        return worker
+
+    async def _remove(self, address: str) -> None:
+        worker = self.workers.pop(address, None)
+        if worker is None:
+            return
+        for task in worker.tasks:
+            task.cancel()
+        await asyncio.gather(*worker.tasks, return_exceptions=True)
+        await worker.channel.close()
+        if self.up_gauge is not None:
+            self.up_gauge.labels(self.role, address).set(0)
+        logger.info("%s %s removed", self.role, address)
+
+    # -- choosing -----------------------------------------------------------------------------
+
+    def pick(self, exclude: set[str] = frozenset()) -> Worker | None:
+        """The usable worker with the least queued work (none: None)."""
+        usable = [w for w in self.workers.values() if w.address not in exclude and w.usable()]
+        return min(usable, key=lambda w: (w.queued_tokens(), w.address), default=None)
+
+    def failed(self, worker: Worker, error: str) -> None:
+        worker.breaker.failure()
+        worker.last_error = error
+        self._export(worker)
+
+    def succeeded(self, worker: Worker) -> None:
+        if worker.breaker.state is not Circuit.CLOSED:
+            worker.breaker.success()
+            self._export(worker)
+        else:
+            worker.breaker.success()
+
+    def summary(self) -> str:
+        """healthy (every worker up) / degraded (some) / unavailable (none)."""
+        up = sum(w.up for w in self.workers.values())
+        if up == 0:
+            return "unavailable"
+        return "healthy" if up == len(self.workers) else "degraded"
+
+    # -- background ---------------------------------------------------------------------------
+
+    async def _watch(self, worker: Worker) -> None:
+        """Follow the worker's health; a broken stream means it is unreachable."""
+        stub = health_pb2_grpc.HealthStub(worker.channel)
+        delay = 0.1
+        while True:
+            try:
+                stream = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+                async for reply in stream:
+                    self._set_status(
+                        worker, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                    )
+                    delay = 0.1
+            except grpc.aio.AioRpcError as e:
+                worker.last_error = f"health watch: {e.code().name}"
+            self._set_status(worker, "UNREACHABLE")
+            await asyncio.sleep(delay)  # reconnect backoff
+            delay = min(delay * 2, 2.0)
+
+    def _set_status(self, worker: Worker, status: str) -> None:
+        if status != worker.status:
+            logger.info("%s %s: %s -> %s", self.role, worker.address, worker.status, status)
+            worker.status = status
+            worker.since = time.time()
+            if status == "SERVING":
+                worker.breaker.success()
+                self.changed.set()
+            self._export(worker)
+
+    async def _poll_load(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.proxy.load_poll_seconds)
+            await asyncio.gather(*(self._load_of(w) for w in list(self.workers.values()) if w.up))
+
+    async def _load_of(self, worker: Worker) -> None:
+        # A failed poll changes nothing: the health watch and call failures decide availability.
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            worker.load = await worker.stub.GetLoad(epd_pb2.GetLoadRequest(), timeout=1.0)
+
+    async def _discover(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.config.registry.heartbeat_seconds, 0.5))
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        try:
+            live = await live_workers(
+                self.redis, self.config.connector.namespace, self.role,
+                self.config.registry.ttl_seconds,
+            )  # fmt: skip
+        except redis.RedisError as e:
+            logger.warning("registry read failed (%s); keeping the workers known", e)
+            return
+        for address in live - set(self.workers):
+            self._add(address, "registry")
+        for worker in list(self.workers.values()):
+            if worker.source == "registry" and worker.address not in live:
+                await self._remove(worker.address)
+
+    def _export(self, worker: Worker) -> None:
+        if self.up_gauge is not None:
+            self.up_gauge.labels(self.role, worker.address).set(1 if worker.up else 0)
+        if self.circuit_gauge is not None:
+            is_open = worker.breaker.state is Circuit.OPEN
+            self.circuit_gauge.labels(self.role, worker.address).set(1 if is_open else 0)

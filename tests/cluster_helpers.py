@@ -1,0 +1,131 @@
+"""A whole cluster of real processes for end-to-end tests: an embedded Redis, encoders, LM
+workers and the proxy, each started on its own so a test can kill or add one."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import signal
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import yaml
+from PIL import Image
+
+from connector import EmbeddedRedis
+from epd.process import Child, epd_command, free_port
+from proto import epd_pb2, epd_pb2_grpc
+from tests.helpers import RoleProcess
+
+
+def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
+    """A distinct image per seed (a gradient, so the tower's rows differ)."""
+    image = Image.new("RGB", (width, height))
+    image.putdata(
+        [((x * 7 + seed * 31) % 256, (y * 5 + seed * 17) % 256, (x + y + seed) % 256)
+         for y in range(height) for x in range(width)]
+    )  # fmt: skip
+    buf = io.BytesIO()
+    image.save(buf, fmt)
+    return buf.getvalue()
+
+
+class Cluster:
+    def __init__(self, workdir: Path, checkpoint: Path, encoders: int = 2, **sections):
+        self.workdir = workdir
+        self.redis = EmbeddedRedis().start()
+        self.proxy_grpc, self.proxy_http = free_port(), free_port()
+        self.encoder_addresses = [f"127.0.0.1:{free_port()}" for _ in range(encoders)]
+        self.lm_address = f"127.0.0.1:{free_port()}"
+        config = {
+            "model": {"path": str(checkpoint), "name": "tiny"},
+            "connector": {"url": self.redis.url},
+            "proxy": {
+                "host": "127.0.0.1",
+                "grpc_port": self.proxy_grpc,
+                "http_port": self.proxy_http,
+                "encoders": self.encoder_addresses,
+                "lm_workers": [self.lm_address],
+                "load_poll_seconds": 0.2,
+            },
+            "lm": {"kv_cache_bytes": "64MiB", "max_num_seqs": 16, "max_num_batched_tokens": 256,
+                   "embedding_timeout_seconds": 20},
+            "registry": {"heartbeat_seconds": 0.3, "ttl_seconds": 1.0},
+        }  # fmt: skip
+        for section, values in sections.items():
+            config.setdefault(section, {}).update(values)
+        self.config_path = workdir / "cluster.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.roles: dict[str, RoleProcess] = {}
+        for i, address in enumerate(self.encoder_addresses):
+            self.start("encoder", f"encoder-{i}", address)
+        self.start("lm", "lm-0", self.lm_address)
+        self.start("proxy", "proxy", f"127.0.0.1:{self.proxy_grpc}")
+        for role in self.roles.values():
+            role.wait_status("SERVING", timeout=120)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.proxy_grpc}")
+        self.stub = epd_pb2_grpc.InferenceStub(self.channel)
+
+    def start(self, kind: str, name: str, address: str) -> RoleProcess:
+        extra = [] if kind == "proxy" else ["--listen", address]
+        argv = epd_command(kind, "--config", str(self.config_path), "--name", name, *extra)
+        role = self.roles[name] = RoleProcess(name, kind, address, Child(name, argv))
+        return role
+
+    def kill(self, name: str) -> None:
+        self.roles[name].child.signal(signal.SIGKILL)
+        self.roles[name].child.proc.wait(10)
+
+    def stop(self) -> None:
+        self.channel.close()
+        for name in ["proxy", *[n for n in self.roles if n != "proxy"]]:
+            self.roles[name].child.stop(20)
+        self.redis.stop()
+
+    # -- clients ------------------------------------------------------------------------------
+
+    def generate(self, text: str, images=(), timeout: float = 60, **sampling):
+        """(token ids, the last response) of a chat request with images before the text."""
+        sampling.setdefault("temperature", 0.0)
+        sampling.setdefault("ignore_eos", True)
+        request = epd_pb2.GenerateRequest(
+            media=[epd_pb2.MediaItem(image=b) for b in images],
+            sampling=epd_pb2.SamplingParams(**sampling),
+        )
+        parts = [epd_pb2.ContentPart(media_index=i) for i in range(len(images))]
+        parts.append(epd_pb2.ContentPart(text=text))
+        request.chat.messages.add(role="user", content=parts)
+        tokens, last = [], None
+        for response in self.stub.Generate(request, timeout=timeout):
+            tokens.extend(response.token_ids)
+            last = response
+        return tokens, last
+
+    def http(self, path: str, body: dict | None = None) -> tuple[int, dict]:
+        url = f"http://127.0.0.1:{self.proxy_http}{path}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            url, data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def metric(self, name: str, **labels) -> float:
+        """A sample from the proxy's /metrics (0 when absent)."""
+        url = f"http://127.0.0.1:{self.proxy_http}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
+            if m and m.group(1) == name:
+                got = ",".join(sorted((m.group(2) or "").split(","))) if m.group(2) else ""
+                if got == want:
+                    return float(m.group(3))
+        return 0.0

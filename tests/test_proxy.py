@@ -1,0 +1,278 @@
+"""The proxy end to end: real processes (embedded Redis, two encoders, an LM worker, the
+proxy) on the tiny model; expected tokens from the models' reference path."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import openai
+import pytest
+import redis
+
+from epd.config import load_config
+from epd.media import MediaInput
+from epd.process import free_port
+from epd.served_model import resolve_model
+from models import ImageItem, ReferenceModel
+from proto import epd_pb2, epd_pb2_grpc
+from proxy.prepare import mm_hash
+from tests.cluster_helpers import Cluster, image_bytes
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_checkpoint):
+    return ReferenceModel(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_checkpoint):
+    c = Cluster(tmp_path_factory.mktemp("cluster"), tiny_checkpoint)
+    yield c
+    c.stop()
+
+
+def expected(ref: ReferenceModel, text: str, images=()) -> list[int]:
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    return ref.generate(
+        [{"role": "user", "content": content}],
+        [ImageItem(b) for b in images],
+        max_new_tokens=MAX_TOKENS,
+        ignore_eos=True,
+    )
+
+
+IMAGES = {"one": [image_bytes(96, 64, 1)], "two": [image_bytes(64, 64, 2), image_bytes(56, 84, 3)]}
+
+
+@pytest.mark.parametrize("kind", ["text", "one", "two"])
+def test_grpc_greedy_output_equals_reference(cluster, ref, kind):
+    images = IMAGES.get(kind, [])
+    tokens, last = cluster.generate(f"Describe {kind}", images, max_tokens=MAX_TOKENS)
+    assert tokens == expected(ref, f"Describe {kind}", images)
+    assert last.finish_reason == epd_pb2.FINISH_REASON_LENGTH
+    assert last.usage.mm_items == len(images)
+    assert last.usage.completion_tokens == MAX_TOKENS
+    assert last.timings.time_to_first_token_seconds > 0
+
+
+def openai_content(text: str, images) -> list[dict]:
+    import base64
+
+    urls = ["data:image/png;base64," + base64.b64encode(b).decode() for b in images]
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return [*parts, {"type": "text", "text": text}]
+
+
+@pytest.mark.parametrize("kind", ["text", "one", "two"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client_unchanged_streaming_and_not(cluster, ref, kind, stream):
+    images = IMAGES.get(kind, [])
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.proxy_http}/v1", api_key="none")
+    text = f"Explain {kind} please"
+    kwargs = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": openai_content(text, images)}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    want = expected(ref, text, images)
+    if stream:
+        pieces, token_ids, finish = [], [], None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            delta = chunk.choices[0]
+            pieces.append(delta.delta.content or "")
+            token_ids += (delta.model_extra or {}).get("token_ids") or []
+            finish = delta.finish_reason or finish
+        assert token_ids == want
+        assert "".join(pieces) == ref.tokenizer.decode(want, skip_special_tokens=True)
+        assert finish == "length"
+    else:
+        reply = client.chat.completions.create(**kwargs)
+        choice = reply.choices[0]
+        assert choice.model_extra["token_ids"] == want
+        assert choice.message.content == ref.tokenizer.decode(want, skip_special_tokens=True)
+        assert choice.finish_reason == "length"
+        assert reply.usage.completion_tokens == MAX_TOKENS
+        assert reply.model_extra["prompt_token_ids"][-3:]  # the expanded prompt
+
+
+def test_models_health_and_unknown_model(cluster):
+    status, models = cluster.http("/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
+    status, health = cluster.http("/health")
+    assert status == 200 and health["status"] == "healthy"
+    assert {w["status"] for w in health["roles"]["encoder"]["workers"]} == {"SERVING"}
+    status, body = cluster.http("/v1/chat/completions", {"model": "nope", "messages": [
+        {"role": "user", "content": "hi"}]})  # fmt: skip
+    assert status == 404 and "The model `nope` does not exist." in body["error"]["message"]
+    with pytest.raises(grpc.RpcError) as info:
+        list(cluster.stub.Generate(epd_pb2.GenerateRequest(model="nope", text="hi")))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_same_image_twice_encodes_once(cluster):
+    image = image_bytes(80, 80, 10)
+    held_before = cluster.metric("epd_mm_items_total", result="held")
+    _, first = cluster.generate("First look", [image], max_tokens=2)
+    _, second = cluster.generate("Second look", [image], max_tokens=2)
+    assert first.usage.mm_items_encoded == 1 and first.usage.mm_items_held == 0
+    assert second.usage.mm_items_held == 1 and second.usage.mm_items_encoded == 0
+    assert second.timings.encode_seconds == 0
+    assert cluster.metric("epd_mm_items_total", result="held") == held_before + 1
+
+
+def test_ten_concurrent_requests_with_one_new_image_encode_it_once(cluster):
+    image = image_bytes(72, 72, 11)
+    encoded_before = cluster.metric("epd_mm_items_total", result="encoded")
+    results = []
+
+    def call(i):
+        results.append(cluster.generate(f"Request {i}", [image], max_tokens=2)[1].usage)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 10
+    assert sum(u.mm_items_encoded for u in results) == 1
+    assert sum(u.mm_items_deduplicated + u.mm_items_held for u in results) == 9
+    assert cluster.metric("epd_mm_items_total", result="encoded") == encoded_before + 1
+
+
+def test_redis_flushed_between_requests(cluster, ref):
+    image = image_bytes(64, 96, 12)
+    cluster.generate("Before the flush", [image], max_tokens=2)
+    redis.Redis.from_url(cluster.redis.url).flushall()
+    tokens, last = cluster.generate("After the flush", [image], max_tokens=MAX_TOKENS)
+    assert tokens == expected(ref, "After the flush", [image])
+    assert last.usage.mm_items_encoded == 1  # the cache forgot it: encoded again
+
+
+def test_redis_flushed_between_encode_and_gather(cluster, ref):
+    """The proxy sees the item held, the LM worker finds it gone: the LM reports it, the proxy
+    re-encodes it, and the request completes."""
+    image = image_bytes(88, 64, 13)
+    # Published by an encoder directly, so no LM worker holds it in its local tier.
+    fingerprint = resolve_model(load_config(cluster.config_path)).fingerprint
+    item = epd_pb2.EncodeItem(mm_hash=mm_hash(fingerprint, MediaInput("image", image=image)),
+                              media=epd_pb2.MediaItem(image=image))  # fmt: skip
+    with grpc.insecure_channel(cluster.encoder_addresses[0]) as channel:
+        reply = epd_pb2_grpc.EncoderStub(channel).Encode(epd_pb2.EncodeRequest(items=[item]))
+    assert reply.results[0].outcome == epd_pb2.ENCODE_OUTCOME_STORED
+    reencodes = cluster.metric("epd_reencodes_total")
+    lm = cluster.roles["lm-0"].child
+    lm.signal(signal.SIGSTOP)  # the request will sit in the LM's socket while we flush
+    try:
+        done: list = []
+        caller = threading.Thread(
+            target=lambda: done.append(cluster.generate("Flushed", [image], max_tokens=MAX_TOKENS))
+        )
+        caller.start()
+        time.sleep(0.5)  # the proxy checked the cache (held) and sent the LM request
+        redis.Redis.from_url(cluster.redis.url).flushall()
+    finally:
+        lm.signal(signal.SIGCONT)
+    caller.join(60)
+    tokens, last = done[0]
+    assert last.usage.mm_items_held == 1
+    assert tokens == expected(ref, "Flushed", [image])
+    assert cluster.metric("epd_reencodes_total") == reencodes + 1
+
+
+def test_corrupt_image_is_invalid_argument_and_the_next_request_succeeds(cluster):
+    good = image_bytes(64, 64, 14)
+    truncated = good[: len(good) // 2]  # a valid header, broken pixels: caught by the encoder
+    for bad, words in [(b"not an image at all", "not a recognised image"), (truncated, "")]:
+        with pytest.raises(grpc.RpcError) as info:
+            cluster.generate("Bad", [bad], max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in info.value.details()
+    status, body = cluster.http("/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}},
+            {"type": "text", "text": "hi"}]}]})  # fmt: skip
+    assert status == 400 and "media item 0" in body["error"]["message"]
+    tokens, _ = cluster.generate("Fine again", [good], max_tokens=2)
+    assert len(tokens) == 2
+
+
+def test_client_cancel_and_abort_reach_the_lm_worker(cluster):
+    request = epd_pb2.GenerateRequest(
+        request_id="to-abort", text="Go on", sampling=epd_pb2.SamplingParams(max_tokens=5000)
+    )
+    stream = cluster.stub.Generate(request, timeout=60)
+    next(stream)
+    assert cluster.stub.Abort(epd_pb2.AbortRequest(request_id="to-abort")).aborted
+    last = list(stream)[-1]
+    assert last.finish_reason == epd_pb2.FINISH_REASON_ABORT
+
+    stream = cluster.stub.Generate(
+        epd_pb2.GenerateRequest(text="Go on", sampling=epd_pb2.SamplingParams(max_tokens=5000)),
+        timeout=60,
+    )
+    next(stream)
+    stream.cancel()
+    lm = grpc.insecure_channel(cluster.lm_address)
+    load_stub = epd_pb2_grpc.LanguageModelStub(lm)
+    deadline = time.monotonic() + 10
+    while (
+        load_stub.GetLoad(epd_pb2.GetLoadRequest()).running_requests and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert load_stub.GetLoad(epd_pb2.GetLoadRequest()).running_requests == 0
+    lm.close()
+
+
+def test_an_encoder_killed_under_load_fails_no_request(cluster):
+    # Last in the module: it kills encoder-1 and brings a registered encoder-2 in.
+    results, errors = [], []
+
+    def call(i):
+        try:
+            results.append(cluster.generate(f"Load {i}", [image_bytes(64, 64, 100 + i)],
+                                            max_tokens=4, timeout=90))  # fmt: skip
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
+    for t in threads[:6]:
+        t.start()
+    cluster.kill("encoder-1")
+    for t in threads[6:]:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(results) == 12
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        workers = {
+            w["address"]: w for w in cluster.http("/health")[1]["roles"]["encoder"]["workers"]
+        }
+        if workers[cluster.encoder_addresses[1]]["status"] != "SERVING":
+            break
+        time.sleep(0.1)
+    assert workers[cluster.encoder_addresses[1]]["status"] == "UNREACHABLE"
+    assert cluster.metric("epd_worker_up", role="encoder", worker=cluster.encoder_addresses[1]) == 0
+
+    # A new encoder that registers through Redis is used without restarting the proxy.
+    address = f"127.0.0.1:{free_port()}"
+    cluster.start("encoder", "encoder-2", address).wait_status("SERVING", timeout=60)
+    cluster.kill("encoder-0")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        workers = {
+            w["address"]: w for w in cluster.http("/health")[1]["roles"]["encoder"]["workers"]
+        }
+        if workers.get(address, {}).get("status") == "SERVING":
+            break
+        time.sleep(0.1)
+    assert workers[address]["source"] == "registry"
+    tokens, last = cluster.generate("New encoder", [image_bytes(64, 64, 999)], max_tokens=2)
+    assert len(tokens) == 2 and last.usage.mm_items_encoded == 1
