@@ -4,6 +4,7 @@ epd up                      a whole cluster on this machine (embedded Redis by d
 epd proxy|encoder|lm        one role, as compose and Kubernetes run them
 epd generate PROMPT         a client: streams the answer from a running cluster
 epd config                  print the effective configuration, or the EPD_ variables
+epd health ADDRESS          ask a role's grpc.health.v1: exit 0 when SERVING (container checks)
 epd make-model OUT          write a random checkpoint (Hugging Face layout) for tests / benchmarks
 """
 
@@ -91,6 +92,19 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+
+    from epd.health import health_status
+
+    try:
+        status = health_status(args.address, args.service, args.timeout)
+    except grpc.RpcError as e:  # e.g. NOT_FOUND: the server does not know --service
+        status = e.code().name
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
 def cmd_make_model(args: argparse.Namespace) -> int:
     import time
 
@@ -168,11 +182,22 @@ def build_parser() -> argparse.ArgumentParser:
     from lm_worker.bench import add_parser as add_lm_bench
 
     add_lm_bench(benches)
+    from proxy.bench import add_parser as add_proxy_bench
+
+    add_proxy_bench(benches)
 
     cfg = sub.add_parser("config", help="print the effective configuration")
     cfg.add_argument("--config", help="cluster YAML file")
     cfg.add_argument("--env", action="store_true", help="list the EPD_ environment variables")
     cfg.set_defaults(func=cmd_config)
+
+    health = sub.add_parser(
+        "health", help="check a role's gRPC health (exit 0 when SERVING, 1 otherwise)"
+    )
+    health.add_argument("address", help="host:port of the role's gRPC server")
+    health.add_argument("--service", default="", help="service name (default: the server's)")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    health.set_defaults(func=cmd_health)
 
     mk = sub.add_parser("make-model", help="write a random checkpoint (tests, benchmarks)")
     mk.add_argument("out", help="output directory (created; must be empty)")

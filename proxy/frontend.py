@@ -94,7 +94,13 @@ class Frontend:
                 self.metrics.mm_items.labels("deduplicated").inc(joined)
                 self.metrics.mm_items.labels("encoded").inc(len(missing) - joined)
         encode_started = time.perf_counter()
-        encode_watch = asyncio.ensure_future(self._encodes_done(encodes, timings, encode_started))
+        if encodes:
+            encode_watch = asyncio.ensure_future(
+                self._encodes_done(encodes, timings, encode_started)
+            )
+        else:  # nothing to wait for: the relay below takes its direct path
+            encode_watch = asyncio.get_running_loop().create_future()
+            encode_watch.set_result(None)
         try:
             async for chunk in self._stream_lm(req, deadline, encode_watch):
                 if chunk.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
@@ -106,9 +112,8 @@ class Frontend:
 
     async def _encodes_done(self, encodes, timings: epd_pb2.StageTimings, started: float) -> None:
         """Raises the first encode failure (the request is answered with it)."""
-        if encodes:
-            await asyncio.gather(*encodes)
-            timings.encode_seconds = time.perf_counter() - started
+        await asyncio.gather(*encodes)
+        timings.encode_seconds = time.perf_counter() - started
 
     async def _stream_lm(
         self, req: PreparedRequest, deadline: float, encode_watch: asyncio.Future
@@ -163,6 +168,14 @@ class Frontend:
     async def _relay(self, call, req: PreparedRequest, deadline: float, encode_watch):
         """LM responses as Chunks; re-encodes what the LM reports missing; an encode failure
         ends the request with it."""
+        if encode_watch.done() and encode_watch.exception() is None:
+            # Nothing to watch (no encodes, or all done): relay straight through.
+            async for msg in call:
+                if msg.missing_mm_hashes:
+                    await self._reencode(req, list(msg.missing_mm_hashes), deadline)
+                    continue
+                yield _chunk(msg)
+            return
         stream = call.__aiter__()
         while True:
             next_msg = asyncio.ensure_future(stream.__anext__())
@@ -178,18 +191,7 @@ class Frontend:
             if msg.missing_mm_hashes:
                 await self._reencode(req, list(msg.missing_mm_hashes), deadline)
                 continue
-            chunk = Chunk(
-                token_ids=list(msg.token_ids),
-                text=msg.text,
-                logprobs=list(msg.logprobs),
-                finish_reason=msg.finish_reason,
-            )
-            if msg.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
-                chunk.usage = epd_pb2.Usage()
-                chunk.usage.CopyFrom(msg.usage)
-                chunk.timings = epd_pb2.StageTimings()
-                chunk.timings.CopyFrom(msg.timings)
-            yield chunk
+            yield _chunk(msg)
 
     async def _reencode(self, req: PreparedRequest, hashes: list[str], deadline: float) -> None:
         """The LM worker cannot find these: encode them again unless an encode is in flight
@@ -209,6 +211,21 @@ class Frontend:
             futures, _ = self.dispatcher.submit(lost, deadline)
             for f in futures:  # failures surface through the LM's wait timing out
                 f.add_done_callback(_consume)
+
+
+def _chunk(msg: epd_pb2.LMGenerateResponse) -> Chunk:
+    chunk = Chunk(
+        token_ids=list(msg.token_ids),
+        text=msg.text,
+        logprobs=list(msg.logprobs),
+        finish_reason=msg.finish_reason,
+    )
+    if msg.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
+        chunk.usage = epd_pb2.Usage()
+        chunk.usage.CopyFrom(msg.usage)
+        chunk.timings = epd_pb2.StageTimings()
+        chunk.timings.CopyFrom(msg.timings)
+    return chunk
 
 
 def _consume(future: asyncio.Future) -> None:

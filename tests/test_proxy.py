@@ -11,15 +11,17 @@ import grpc
 import openai
 import pytest
 import redis
+import yaml
 
 from epd.config import load_config
 from epd.media import MediaInput
-from epd.process import free_port
+from epd.process import Child, epd_command, free_port
 from epd.served_model import resolve_model
 from models import ImageItem, ReferenceModel
 from proto import epd_pb2, epd_pb2_grpc
 from proxy.prepare import mm_hash
 from tests.cluster_helpers import Cluster, image_bytes
+from tests.helpers import RoleProcess
 
 MAX_TOKENS = 16
 
@@ -228,6 +230,72 @@ def test_client_cancel_and_abort_reach_the_lm_worker(cluster):
         time.sleep(0.05)
     assert load_stub.GetLoad(epd_pb2.GetLoadRequest()).running_requests == 0
     lm.close()
+
+
+def test_a_full_proxy_sheds_load_and_deadlines_reach_the_lm(cluster, tmp_path):
+    # A second proxy over the same workers, with room for one request at a time.
+    config = yaml.safe_load(cluster.config_path.read_text())
+    grpc_port, http_port = free_port(), free_port()
+    config["proxy"].update(grpc_port=grpc_port, http_port=http_port, max_pending_requests=1)
+    path = tmp_path / "small-proxy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    argv = epd_command("proxy", "--config", str(path), "--name", "proxy-b")
+    proxy = RoleProcess("proxy-b", "proxy", f"127.0.0.1:{grpc_port}", Child("proxy-b", argv))
+    try:
+        proxy.wait_status("SERVING", timeout=60)
+        with grpc.insecure_channel(proxy.address) as channel:
+            stub = epd_pb2_grpc.InferenceStub(channel)
+            long = stub.Generate(
+                epd_pb2.GenerateRequest(
+                    text="Go", sampling=epd_pb2.SamplingParams(max_tokens=5000)
+                ),
+                timeout=60,
+            )
+            next(long)  # holds the only slot
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(epd_pb2.GenerateRequest(text="Me too"), timeout=30))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_pending_requests" in info.value.details()
+            status, body = cluster_http(http_port, {"model": "tiny", "messages": [
+                {"role": "user", "content": "hi"}]})  # fmt: skip
+            assert status == 429 and body["error"]["type"] == "RateLimitError"
+            long.cancel()
+
+            # A client deadline travels to the LM worker, which drops the request.
+            slow = epd_pb2.GenerateRequest(
+                text="Slow", sampling=epd_pb2.SamplingParams(max_tokens=5000)
+            )
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(slow, timeout=1.0))
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with grpc.insecure_channel(cluster.lm_address) as channel:
+            lm = epd_pb2_grpc.LanguageModelStub(channel)
+            deadline = time.monotonic() + 10
+            while (
+                lm.GetLoad(epd_pb2.GetLoadRequest()).running_requests
+                and time.monotonic() < deadline
+            ):
+                time.sleep(0.05)
+            assert lm.GetLoad(epd_pb2.GetLoadRequest()).running_requests == 0
+    finally:
+        proxy.child.stop(20)
+
+
+def cluster_http(port: int, body: dict) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def test_an_encoder_killed_under_load_fails_no_request(cluster):
