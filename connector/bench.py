@@ -24,8 +24,9 @@ from connector.embedded import EmbeddedRedis
 FP = "bench"
 
 
-def _interleaved(nbytes: int, baseline: Callable[[int], object], ours: Callable[[int], object],
-                 n: int) -> tuple[float, float]:  # fmt: skip
+def _interleaved(
+    nbytes: int, baseline: Callable[[int], object], ours: Callable[[int], object], n: int
+) -> tuple[float, float]:
     """GB/s of baseline(i) and ours(i), timed call by call in alternation over i in range(n), so
     that whatever the server does meanwhile (allocation, eviction) hits both alike."""
     spent = [0.0, 0.0]

@@ -71,13 +71,19 @@ class EmbeddedRedis:
         self.data_dir = Path(tempfile.mkdtemp(prefix="epd-redis-"))
         argv = [
             str(server_binary()),
-            "--port", str(self.port),
-            "--bind", self.host,
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(self.data_dir),
-            "--logfile", str(self.log_path),
-        ]  # fmt: skip
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.data_dir),
+            "--logfile",
+            str(self.log_path),
+        ]
         if self.maxmemory:
             argv += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.maxmemory_policy]
         self.child = Child(self.name, argv)

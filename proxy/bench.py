@@ -31,9 +31,12 @@ from proto import epd_pb2, epd_pb2_grpc
 def _image(size: int, seed: int) -> bytes:
     image = Image.new("RGB", (size, size))
     image.putdata(
-        [((x * 7 + seed * 31) % 256, (y * 3 + seed * 11) % 256, (x * y + seed) % 256)
-         for y in range(size) for x in range(size)]
-    )  # fmt: skip
+        [
+            ((x * 7 + seed * 31) % 256, (y * 3 + seed * 11) % 256, (x * y + seed) % 256)
+            for y in range(size)
+            for x in range(size)
+        ]
+    )
     buf = io.BytesIO()
     image.save(buf, "PNG")
     return buf.getvalue()

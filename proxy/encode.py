@@ -108,8 +108,9 @@ class EncodeDispatcher:
         except grpc.aio.AioRpcError as e:
             self.pool.failed(worker, f"Encode: {e.code().name}: {e.details()}")
             if e.code() not in RETRYABLE or attempt + 1 >= self.retries:
-                self._fail(items, Unavailable(f"encoder {worker.address}: {e.code().name}: "
-                                              f"{e.details()}"))  # fmt: skip
+                self._fail(
+                    items, Unavailable(f"encoder {worker.address}: {e.code().name}: {e.details()}")
+                )
                 return
             self.metrics.retries.labels("encoder").inc()
             await asyncio.sleep(backoff(attempt))
@@ -117,8 +118,9 @@ class EncodeDispatcher:
             if other is None:
                 self._fail(items, Unavailable("no encoder worker is available"))
                 return
-            logger.info("retrying %d items on %s (%s failed)", len(items), other.address,
-                        worker.address)  # fmt: skip
+            logger.info(
+                "retrying %d items on %s (%s failed)", len(items), other.address, worker.address
+            )
             await self._call(other, items, deadline, attempt + 1)
             return
         finally:

@@ -205,8 +205,9 @@ class Frontend:
             held = [False] * len(candidates)
         lost = [req.item(h) for h, ok in zip(candidates, held, strict=True) if not ok]
         if lost:
-            logger.info("%s: re-encoding %d items the LM worker found missing", req.request_id,
-                        len(lost))  # fmt: skip
+            logger.info(
+                "%s: re-encoding %d items the LM worker found missing", req.request_id, len(lost)
+            )
             self.metrics.reencodes.inc(len(lost))
             futures, _ = self.dispatcher.submit(lost, deadline)
             for f in futures:  # failures surface through the LM's wait timing out

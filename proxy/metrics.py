@@ -19,9 +19,11 @@ class ProxyMetrics:
             "epd_time_to_first_token_seconds", "Proxy arrival to first token", buckets=LATENCY, **kw
         )
         self.itl = Histogram(
-            "epd_inter_token_latency_seconds", "Time between streamed tokens", buckets=TOKEN_GAPS,
+            "epd_inter_token_latency_seconds",
+            "Time between streamed tokens",
+            buckets=TOKEN_GAPS,
             **kw,
-        )  # fmt: skip
+        )
         self.mm_items = Counter(
             "epd_mm_items_total",
             "Media items by what the proxy did: held (cached, no encode), encoded, deduplicated "
@@ -30,16 +32,20 @@ class ProxyMetrics:
             **kw,
         )
         self.encode_dispatch = Histogram(
-            "epd_encode_dispatch_seconds", "Encode call to an encoder, sent to answered",
-            buckets=LATENCY, **kw,
-        )  # fmt: skip
+            "epd_encode_dispatch_seconds",
+            "Encode call to an encoder, sent to answered",
+            buckets=LATENCY,
+            **kw,
+        )
         self.worker_up = Gauge(
             "epd_worker_up", "1 while the worker reports SERVING", ["role", "worker"], **kw
         )
         self.worker_circuit_open = Gauge(
-            "epd_worker_circuit_open", "1 while the worker's circuit breaker is open",
-            ["role", "worker"], **kw,
-        )  # fmt: skip
+            "epd_worker_circuit_open",
+            "1 while the worker's circuit breaker is open",
+            ["role", "worker"],
+            **kw,
+        )
         self.reencodes = Counter(
             "epd_reencodes_total",
             "Items encoded again because an LM worker found them missing (evicted, flushed)",

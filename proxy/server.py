@@ -253,9 +253,12 @@ async def serve(config: ClusterConfig, name: str) -> int:
 
     try:
         return await run_role(
-            server, load, config.proxy.drain_timeout_seconds, on_serving=on_serving,
+            server,
+            load,
+            config.proxy.drain_timeout_seconds,
+            on_serving=on_serving,
             on_drain=on_drain,
-        )  # fmt: skip
+        )
     finally:
         await http.stop()
         if proxy_ref:

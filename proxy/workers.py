@@ -136,9 +136,13 @@ class WorkerPool:
         channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         p = self.config.proxy
         worker = Worker(
-            self.role, address, source, channel, self.stub_cls(channel),
+            self.role,
+            address,
+            source,
+            channel,
+            self.stub_cls(channel),
             Breaker(p.circuit_failures, p.circuit_cooldown_seconds),
-        )  # fmt: skip
+        )
         self.workers[address] = worker
         worker.tasks.append(asyncio.create_task(self._watch(worker), name=f"watch-{address}"))
         logger.info("%s %s added (%s)", self.role, address, source)
@@ -231,9 +235,11 @@ class WorkerPool:
     async def _refresh(self) -> None:
         try:
             live = await live_workers(
-                self.redis, self.config.connector.namespace, self.role,
+                self.redis,
+                self.config.connector.namespace,
+                self.role,
                 self.config.registry.ttl_seconds,
-            )  # fmt: skip
+            )
         except redis.RedisError as e:
             logger.warning("registry read failed (%s); keeping the workers known", e)
             return

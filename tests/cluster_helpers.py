@@ -25,9 +25,12 @@ def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> byt
     """A distinct image per seed (a gradient, so the tower's rows differ)."""
     image = Image.new("RGB", (width, height))
     image.putdata(
-        [((x * 7 + seed * 31) % 256, (y * 5 + seed * 17) % 256, (x + y + seed) % 256)
-         for y in range(height) for x in range(width)]
-    )  # fmt: skip
+        [
+            ((x * 7 + seed * 31) % 256, (y * 5 + seed * 17) % 256, (x + y + seed) % 256)
+            for y in range(height)
+            for x in range(width)
+        ]
+    )
     buf = io.BytesIO()
     image.save(buf, fmt)
     return buf.getvalue()
@@ -51,10 +54,14 @@ class Cluster:
                 "lm_workers": [self.lm_address],
                 "load_poll_seconds": 0.2,
             },
-            "lm": {"kv_cache_bytes": "64MiB", "max_num_seqs": 16, "max_num_batched_tokens": 256,
-                   "embedding_timeout_seconds": 20},
+            "lm": {
+                "kv_cache_bytes": "64MiB",
+                "max_num_seqs": 16,
+                "max_num_batched_tokens": 256,
+                "embedding_timeout_seconds": 20,
+            },
             "registry": {"heartbeat_seconds": 0.3, "ttl_seconds": 1.0},
-        }  # fmt: skip
+        }
         for section, values in sections.items():
             config.setdefault(section, {}).update(values)
         self.config_path = workdir / "cluster.yaml"

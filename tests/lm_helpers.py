@@ -33,9 +33,13 @@ def make_engine(checkpoint, **lm) -> LMEngine:
     model_cls = lm.pop("model_cls", None)
     config = ClusterConfig(lm=LMConfig(**lm))
     return build_engine(
-        config, str(checkpoint), torch.float32, registry=None, model_cls=model_cls,
+        config,
+        str(checkpoint),
+        torch.float32,
+        registry=None,
+        model_cls=model_cls,
         pad_decodes=pad,
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -72,8 +76,9 @@ class Case:
         sampling.setdefault("temperature", 0.0)
         sampling.setdefault("ignore_eos", True)
         sampling.setdefault("max_tokens", len(self.expected))
-        return Request(self.request_id, list(self.token_ids), SamplingParams(**sampling),
-                       list(self.features))  # fmt: skip
+        return Request(
+            self.request_id, list(self.token_ids), SamplingParams(**sampling), list(self.features)
+        )
 
 
 def case(ref: ReferenceModel, request_id: str, text: str, images=(), max_tokens: int = 24) -> Case:

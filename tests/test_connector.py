@@ -359,10 +359,25 @@ def test_local_tier_is_thread_safe():
 
 def test_bench_prints_its_figures_as_json_last(redis_server):
     result = subprocess.run(
-        [sys.executable, "-m", "epd", "bench", "connector", "--redis-url", redis_server.url,
-         "--sizes", "0.01,0.05", "--rounds", "1", "--mib-per-round", "1"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "epd",
+            "bench",
+            "connector",
+            "--redis-url",
+            redis_server.url,
+            "--sizes",
+            "0.01,0.05",
+            "--rounds",
+            "1",
+            "--mib-per-round",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["bench"] == "connector"

@@ -19,9 +19,14 @@ pytestmark = pytest.mark.cuda
 
 def engine(checkpoint, graphs: str, dtype=torch.float32):
     config = ClusterConfig(
-        lm=LMConfig(device="cuda", cuda_graphs=graphs, kv_cache_bytes=256 << 20, max_num_seqs=32,
-                    max_model_len=1024)
-    )  # fmt: skip
+        lm=LMConfig(
+            device="cuda",
+            cuda_graphs=graphs,
+            kv_cache_bytes=256 << 20,
+            max_num_seqs=32,
+            max_model_len=1024,
+        )
+    )
     return build_engine(config, str(checkpoint), dtype, registry=None)
 
 
@@ -66,6 +71,8 @@ def test_graph_speedup_is_printed(tmp_path_factory):
             _, short = generate(e, prompts[:batch], 1)
             _, long = generate(e, prompts[:batch], 129)
             times[graphs] = 128 * batch / (long - short)
-        print(f"\nbatch {batch}: eager {times['off']:.0f} tok/s, graphs {times['on']:.0f} tok/s, "
-              f"speed-up {times['on'] / times['off']:.2f}x")  # fmt: skip
+        print(
+            f"\nbatch {batch}: eager {times['off']:.0f} tok/s, graphs {times['on']:.0f} tok/s, "
+            f"speed-up {times['on'] / times['off']:.2f}x"
+        )
         assert times["on"] > 0

@@ -88,8 +88,9 @@ def test_is_embed_mask_with_holes(checkpoint, ref):
     expected = reference_greedy(ref, ids, rows, mask, max_tokens=16)
 
     feature = MMFeature("holes", offset, length, is_embed, modality="audio")
-    request = Request("holes", ids, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
-                      [feature])  # fmt: skip
+    request = Request(
+        "holes", ids, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), [feature]
+    )
     engine = make_engine(checkpoint, max_num_batched_tokens=8, max_num_seqs=4)  # chunks cut it
     out = run(engine, (request, {"holes": rows}))
     assert out["holes"].token_ids == expected
@@ -145,8 +146,13 @@ def test_realtime_model_gathers_embeddings_on_decode_steps(checkpoint, ref, case
     assert engine.runner.mm.is_realtime
     # The first generated token sits at index len(ids); from there on each step adds a row.
     feature = MMFeature("session-1", len(ids), steps, modality="audio")
-    realtime = Request("rt", ids, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True),
-                       [feature], realtime_session="session-1")  # fmt: skip
+    realtime = Request(
+        "rt",
+        ids,
+        SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True),
+        [feature],
+        realtime_session="session-1",
+    )
     sinks = {"rt": Collected(), "text": Collected()}
     engine.add_request(realtime, sinks["rt"])
     engine.add_request(cases["text"].request(), sinks["text"])
@@ -179,11 +185,14 @@ def test_dummy_run_reads_dummy_inputs_embeds(checkpoint):
 
 
 def test_preemption_and_resume_give_identical_tokens(checkpoint, ref):
-    cases = [case(ref, f"p{i}", f"Tell me story number {i} in a few words", max_tokens=40)
-             for i in range(4)]  # fmt: skip
+    cases = [
+        case(ref, f"p{i}", f"Tell me story number {i} in a few words", max_tokens=40)
+        for i in range(4)
+    ]
     # 16 usable blocks of 8 tokens: the four requests cannot all hold their ~100 tokens.
-    per_block = PagedAttention.bytes_per_block(2, 8, ref.lm.config.num_kv_heads,
-                                               ref.lm.config.head_dim, torch.float32)  # fmt: skip
+    per_block = PagedAttention.bytes_per_block(
+        2, 8, ref.lm.config.num_kv_heads, ref.lm.config.head_dim, torch.float32
+    )
     engine = make_engine(checkpoint, block_size=8, kv_cache_bytes=17 * per_block)
     out = run(engine, *cases)
     assert engine.scheduler.num_preemptions > 0
@@ -217,8 +226,9 @@ def test_same_text_different_images_never_share_blocks(checkpoint, ref):
 def test_sampling_with_a_seed_is_reproducible_whatever_the_batch(checkpoint, cases):
     params = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 1234, "max_tokens": 20}
     alone = run(make_engine(checkpoint), (cases["text"].request(**params), {}))
-    crowd = run(make_engine(checkpoint), (cases["text"].request(**params), {}), cases["image"],
-                cases["two"])  # fmt: skip
+    crowd = run(
+        make_engine(checkpoint), (cases["text"].request(**params), {}), cases["image"], cases["two"]
+    )
     assert alone["text"].token_ids == crowd["text"].token_ids
     other = run(make_engine(checkpoint), (cases["text"].request(**{**params, "seed": 99}), {}))
     assert other["text"].token_ids != alone["text"].token_ids

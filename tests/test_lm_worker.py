@@ -38,9 +38,13 @@ def lm(tmp_path_factory, checkpoint):
             tmp_path_factory.mktemp("lm") / "cluster.yaml",
             model={"path": str(checkpoint)},
             connector={"url": redis_server.url},
-            lm={"kv_cache_bytes": "64MiB", "max_num_batched_tokens": 128, "max_num_seqs": 8,
-                "embedding_timeout_seconds": 3},
-        )  # fmt: skip
+            lm={
+                "kv_cache_bytes": "64MiB",
+                "max_num_batched_tokens": 128,
+                "max_num_seqs": 8,
+                "embedding_timeout_seconds": 3,
+            },
+        )
         address = f"127.0.0.1:{free_port()}"
         argv = epd_command("lm", "--config", str(path), "--name", "lm", "--listen", address)
         role = RoleProcess("lm", "lm", address, Child("lm", argv))

@@ -110,8 +110,9 @@ def test_models_health_and_unknown_model(cluster):
     status, health = cluster.http("/health")
     assert status == 200 and health["status"] == "healthy"
     assert {w["status"] for w in health["roles"]["encoder"]["workers"]} == {"SERVING"}
-    status, body = cluster.http("/v1/chat/completions", {"model": "nope", "messages": [
-        {"role": "user", "content": "hi"}]})  # fmt: skip
+    status, body = cluster.http(
+        "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}
+    )
     assert status == 404 and "The model `nope` does not exist." in body["error"]["message"]
     with pytest.raises(grpc.RpcError) as info:
         list(cluster.stub.Generate(epd_pb2.GenerateRequest(model="nope", text="hi")))
@@ -163,8 +164,10 @@ def test_redis_flushed_between_encode_and_gather(cluster, ref):
     image = image_bytes(88, 64, 13)
     # Published by an encoder directly, so no LM worker holds it in its local tier.
     fingerprint = resolve_model(load_config(cluster.config_path)).fingerprint
-    item = epd_pb2.EncodeItem(mm_hash=mm_hash(fingerprint, MediaInput("image", image=image)),
-                              media=epd_pb2.MediaItem(image=image))  # fmt: skip
+    item = epd_pb2.EncodeItem(
+        mm_hash=mm_hash(fingerprint, MediaInput("image", image=image)),
+        media=epd_pb2.MediaItem(image=image),
+    )
     with grpc.insecure_channel(cluster.encoder_addresses[0]) as channel:
         reply = epd_pb2_grpc.EncoderStub(channel).Encode(epd_pb2.EncodeRequest(items=[item]))
     assert reply.results[0].outcome == epd_pb2.ENCODE_OUTCOME_STORED
@@ -196,10 +199,24 @@ def test_corrupt_image_is_invalid_argument_and_the_next_request_succeeds(cluster
             cluster.generate("Bad", [bad], max_tokens=2)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert words in info.value.details()
-    status, body = cluster.http("/v1/chat/completions", {"model": "tiny", "messages": [
-        {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}},
-            {"type": "text", "text": "hi"}]}]})  # fmt: skip
+    status, body = cluster.http(
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"},
+                        },
+                        {"type": "text", "text": "hi"},
+                    ],
+                }
+            ],
+        },
+    )
     assert status == 400 and "media item 0" in body["error"]["message"]
     tokens, _ = cluster.generate("Fine again", [good], max_tokens=2)
     assert len(tokens) == 2
@@ -256,8 +273,9 @@ def test_a_full_proxy_sheds_load_and_deadlines_reach_the_lm(cluster, tmp_path):
                 list(stub.Generate(epd_pb2.GenerateRequest(text="Me too"), timeout=30))
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "max_pending_requests" in info.value.details()
-            status, body = cluster_http(http_port, {"model": "tiny", "messages": [
-                {"role": "user", "content": "hi"}]})  # fmt: skip
+            status, body = cluster_http(
+                http_port, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+            )
             assert status == 429 and body["error"]["type"] == "RateLimitError"
             long.cancel()
 
@@ -304,8 +322,11 @@ def test_an_encoder_killed_under_load_fails_no_request(cluster):
 
     def call(i):
         try:
-            results.append(cluster.generate(f"Load {i}", [image_bytes(64, 64, 100 + i)],
-                                            max_tokens=4, timeout=90))  # fmt: skip
+            results.append(
+                cluster.generate(
+                    f"Load {i}", [image_bytes(64, 64, 100 + i)], max_tokens=4, timeout=90
+                )
+            )
         except grpc.RpcError as e:
             errors.append(e)
 

@@ -109,13 +109,18 @@ def test_up_serves_and_ctrl_c_leaves_nothing_behind(up):
     # The client answers through the whole cluster: the proxy, the encoders, the LM worker.
     result = subprocess.run(
         epd_command(
-            "generate", "Hello", "--target", f"127.0.0.1:{cluster.grpc_port}",
-            "--max-tokens", "4", "--json",
+            "generate",
+            "Hello",
+            "--target",
+            f"127.0.0.1:{cluster.grpc_port}",
+            "--max-tokens",
+            "4",
+            "--json",
         ),
         capture_output=True,
         text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(answer["token_ids"]) >= 1
