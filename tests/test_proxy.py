@@ -260,32 +260,38 @@ def test_a_full_proxy_sheds_load_and_deadlines_reach_the_lm(cluster, tmp_path):
     proxy = RoleProcess("proxy-b", "proxy", f"127.0.0.1:{grpc_port}", Child("proxy-b", argv))
     try:
         proxy.wait_status("SERVING", timeout=60)
+        lm_process = cluster.roles["lm-0"].child
         with grpc.insecure_channel(proxy.address) as channel:
             stub = epd_pb2_grpc.InferenceStub(channel)
-            long = stub.Generate(
-                epd_pb2.GenerateRequest(
-                    text="Go", sampling=epd_pb2.SamplingParams(max_tokens=5000)
-                ),
-                timeout=60,
-            )
-            next(long)  # holds the only slot
-            with pytest.raises(grpc.RpcError) as info:
-                list(stub.Generate(epd_pb2.GenerateRequest(text="Me too"), timeout=30))
-            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "max_pending_requests" in info.value.details()
-            status, body = cluster_http(
-                http_port, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
-            )
-            assert status == 429 and body["error"]["type"] == "RateLimitError"
-            long.cancel()
+            lm_process.signal(signal.SIGSTOP)  # requests now sit at the LM worker
+            try:
+                first = threading.Thread(
+                    target=lambda: list(
+                        stub.Generate(epd_pb2.GenerateRequest(text="Go"), timeout=60)
+                    )
+                )
+                first.start()  # takes the only slot and waits there
+                time.sleep(0.5)
+                with pytest.raises(grpc.RpcError) as info:
+                    list(stub.Generate(epd_pb2.GenerateRequest(text="Me too"), timeout=30))
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "max_pending_requests" in info.value.details()
+                status, body = cluster_http(
+                    http_port, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+                )
+                assert status == 429 and body["error"]["type"] == "RateLimitError"
+            finally:
+                lm_process.signal(signal.SIGCONT)
+            first.join(60)
 
             # A client deadline travels to the LM worker, which drops the request.
-            slow = epd_pb2.GenerateRequest(
-                text="Slow", sampling=epd_pb2.SamplingParams(max_tokens=5000)
-            )
-            with pytest.raises(grpc.RpcError) as info:
-                list(stub.Generate(slow, timeout=1.0))
-            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            lm_process.signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(grpc.RpcError) as info:
+                    list(stub.Generate(epd_pb2.GenerateRequest(text="Slow"), timeout=1.0))
+                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            finally:
+                lm_process.signal(signal.SIGCONT)
         with grpc.insecure_channel(cluster.lm_address) as channel:
             lm = epd_pb2_grpc.LanguageModelStub(channel)
             deadline = time.monotonic() + 10
