@@ -11,6 +11,7 @@ epd make-model OUT          write a random checkpoint (Hugging Face layout) for 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -59,8 +60,6 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _role_command(role: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        import importlib
-
         from epd.log import setup_logging
 
         section = {"encoder": "encoder", "lm": "lm"}.get(role)
@@ -121,7 +120,10 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+BENCH_MODULES = ("connector.bench", "encoder_worker.bench", "lm_worker.bench", "proxy.bench")
+
+
+def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -173,18 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks; each prints one JSON object last")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from connector.bench import add_parser as add_connector_bench
-
-    add_connector_bench(benches)
-    from encoder_worker.bench import add_parser as add_encoder_bench
-
-    add_encoder_bench(benches)
-    from lm_worker.bench import add_parser as add_lm_bench
-
-    add_lm_bench(benches)
-    from proxy.bench import add_parser as add_proxy_bench
-
-    add_proxy_bench(benches)
+    if with_benches:  # they import torch: only for `epd bench ...` (health checks stay fast)
+        for module in BENCH_MODULES:
+            importlib.import_module(module).add_parser(benches)
 
     cfg = sub.add_parser("config", help="print the effective configuration")
     cfg.add_argument("--config", help="cluster YAML file")
@@ -209,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(with_benches=bool(argv) and argv[0] == "bench").parse_args(argv)
     try:
         return args.func(args)
     except ConfigError as e:

@@ -105,12 +105,18 @@ class EncodeDispatcher:
             reply = await worker.stub.Encode(
                 request, timeout=max(deadline - time.monotonic(), 0.01)
             )
-        except grpc.aio.AioRpcError as e:
-            self.pool.failed(worker, f"Encode: {e.code().name}: {e.details()}")
-            if e.code() not in RETRYABLE or attempt + 1 >= self.retries:
-                self._fail(
-                    items, Unavailable(f"encoder {worker.address}: {e.code().name}: {e.details()}")
-                )
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            if isinstance(e, asyncio.CancelledError):
+                if asyncio.current_task().cancelling():
+                    self._fail(items, Unavailable("the proxy is shutting down"))
+                    raise
+                # Cancelled under us: the worker's channel was closed (it left the registry).
+                code, details = grpc.StatusCode.UNAVAILABLE, "its connection was closed"
+            else:
+                code, details = e.code(), e.details()
+            self.pool.failed(worker, f"Encode: {code.name}: {details}")
+            if code not in RETRYABLE or attempt + 1 >= self.retries:
+                self._fail(items, Unavailable(f"encoder {worker.address}: {code.name}: {details}"))
                 return
             self.metrics.retries.labels("encoder").inc()
             await asyncio.sleep(backoff(attempt))

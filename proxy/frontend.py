@@ -31,6 +31,20 @@ from proxy.workers import Worker, WorkerPool
 logger = logging.getLogger(__name__)
 
 
+class CallLost(Exception):
+    """A call cancelled from outside this request (its channel closed): retryable."""
+
+    def __init__(self, address: str):
+        super().__init__(address)
+        self.address = address
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return f"the connection to LM worker {self.address} was closed"
+
+
 @dataclass
 class Chunk:
     """What the frontend streams to either API: a token delta, and on the last one the rest."""
@@ -150,13 +164,20 @@ class Frontend:
                     yield chunk
                 self.lms.succeeded(worker)
                 return
-            except grpc.aio.AioRpcError as e:
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+                if isinstance(e, asyncio.CancelledError):
+                    if asyncio.current_task().cancelling():
+                        raise  # the client went away: stop here
+                    # The call was cancelled under us: its worker's channel was closed.
+                    e = CallLost(worker.address)
                 code = e.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise BadInput(e.details()) from None
                 if code in RETRYABLE:
                     self.lms.failed(worker, f"Generate: {code.name}: {e.details()}")
                 if produced or code not in RETRYABLE or attempt + 1 >= self.retries:
+                    if isinstance(e, CallLost):
+                        raise Unavailable(e.details()) from None
                     raise
                 self.metrics.retries.labels("lm").inc()
                 await asyncio.sleep(backoff(attempt))

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Gauge
 
 from epd.registry import live_workers
-from epd.server import GRPC_OPTIONS
+from epd.server import CHANNEL_OPTIONS
 from proto import epd_pb2
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,7 @@ class WorkerPool:
         self.up_gauge = up_gauge
         self.circuit_gauge = circuit_gauge
         self._tasks: list[asyncio.Task] = []
+        self._closing: set[asyncio.Task] = set()  # channels of removed workers, closing
         self.changed = asyncio.Event()  # set whenever a worker comes up
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -130,10 +131,12 @@ class WorkerPool:
             task.cancel()
         for worker in list(self.workers.values()):
             await self._remove(worker.address)
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for closing in list(self._closing):
+            closing.cancel()
+        await asyncio.gather(*self._tasks, *self._closing, return_exceptions=True)
 
     def _add(self, address: str, source: str) -> Worker:
-        channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         p = self.config.proxy
         worker = Worker(
             self.role,
@@ -149,14 +152,21 @@ class WorkerPool:
         self._export(worker)
         return worker
 
-    async def _remove(self, address: str) -> None:
+    async def _remove(self, address: str, grace: float | None = None) -> None:
+        """Forget a worker. With `grace`, calls in flight on its channel may finish (or fail
+        by keepalive) for that long before the channel is closed under them."""
         worker = self.workers.pop(address, None)
         if worker is None:
             return
         for task in worker.tasks:
             task.cancel()
         await asyncio.gather(*worker.tasks, return_exceptions=True)
-        await worker.channel.close()
+        if grace is None:
+            await worker.channel.close()
+        else:
+            closing = asyncio.create_task(worker.channel.close(grace=grace))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         if self.up_gauge is not None:
             self.up_gauge.labels(self.role, address).set(0)
         logger.info("%s %s removed", self.role, address)
@@ -247,7 +257,7 @@ class WorkerPool:
             self._add(address, "registry")
         for worker in list(self.workers.values()):
             if worker.source == "registry" and worker.address not in live:
-                await self._remove(worker.address)
+                await self._remove(worker.address, grace=self.config.proxy.request_timeout_seconds)
 
     def _export(self, worker: Worker) -> None:
         if self.up_gauge is not None:
