@@ -77,6 +77,7 @@ class EncoderLoad:
     running_items: int  # in the tower or being published
     items_per_second: float  # through the tower, recent window
     busy_fraction: float  # of recent wall time the tower was running
+    batch_items: float = 0.0  # mean items per forward, recent window
 
 
 class _Job:
@@ -159,6 +160,12 @@ class _Activity:
             busy += now - max(self.running_since, horizon)
         return sum(n for _, _, n in recent) / span, min(busy / span, 1.0)
 
+    def mean_batch(self) -> float:
+        """Mean items per forward over the window (0 when there was none)."""
+        horizon = time.monotonic() - self.window
+        recent = [n for _, end, n in list(self.batches) if end > horizon]
+        return sum(recent) / len(recent) if recent else 0.0
+
 
 class MMEncoder:
     """The encoder-only engine: `execute_mm_encoder` per call, one batch loop for all calls."""
@@ -214,6 +221,7 @@ class MMEncoder:
             running_items=self._running,
             items_per_second=per_second,
             busy_fraction=busy,
+            batch_items=self._activity.mean_batch(),
         )
 
     # -- one call ------------------------------------------------------------------------------

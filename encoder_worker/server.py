@@ -141,6 +141,7 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
             running_items=load.running_items,
             items_per_second=load.items_per_second,
             busy_fraction=load.busy_fraction,
+            batch_items=load.batch_items,
         )
 
 

@@ -131,6 +131,7 @@ class LMEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._rate = _Rate()
+        self._steps = _Rate()  # requests per step (GetLoad's batch_size)
 
     # -- the thread-safe surface (called from the servicer's thread) -------------------------
 
@@ -169,6 +170,7 @@ class LMEngine:
             "kv_blocks_used": s.blocks.num_used,
             "kv_blocks_total": s.blocks.num_usable,
             "tokens_per_second": self._rate.per_second(),
+            "batch_size": self._steps.mean(),
         }
 
     def run_to_completion(self) -> None:
@@ -236,6 +238,7 @@ class LMEngine:
     ) -> list[tuple[Sink, RequestOutput]]:
         now = time.monotonic()
         self.metrics.batch_size.observe(len(batch))
+        self._steps.add(len(batch))
         self.metrics.batch_tokens.observe(batch.total_tokens)
         self.metrics.preemptions.inc(len(batch.preempted))
         for request, n in zip(batch.requests, batch.num_scheduled_tokens, strict=True):
@@ -445,6 +448,12 @@ class _Rate:
             return 0.0
         span = max(time.monotonic() - events[0][0], 1e-3)
         return sum(n for _, n in events) / span
+
+    def mean(self) -> float:
+        """Mean count per event within the window (0 when there was none)."""
+        horizon = time.monotonic() - self.window
+        recent = [n for t, n in list(self.events) if t >= horizon]
+        return sum(recent) / len(recent) if recent else 0.0
 
 
 __all__ = ["LMEngine", "RequestOutput", "Status"]

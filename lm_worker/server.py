@@ -285,8 +285,22 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the LM worker is still loading")
         load = self.engine.load()
         return epd_pb2.LMLoad(
-            worker_id=self.name, waiting_for_embeddings=self.fetcher.waiting, **load
+            worker_id=self.name,
+            waiting_for_embeddings=self.fetcher.waiting,
+            **load,
+            **_fetches_by_tier(self.connector),
         )
+
+
+def _fetches_by_tier(connector: AsyncECConnector) -> dict[str, int]:
+    """The connector's own `get` lookup counters as LMLoad's ec_{local,redis}_{hits,misses}."""
+    counts = {}
+    for sample in connector.metrics.lookups.collect()[0].samples:
+        labels = sample.labels
+        if sample.name.endswith("_total") and labels["op"] == "get":
+            result = "hits" if labels["result"] == "hit" else "misses"
+            counts[f"ec_{labels['tier']}_{result}"] = int(sample.value)
+    return counts
 
 
 def _deliver(items) -> None:

@@ -404,7 +404,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EncoderLoad(_message.Message):
-    __slots__ = ("worker_id", "queued_items", "queued_tokens", "running_items", "items_per_second", "busy_fraction", "active_streams")
+    __slots__ = ("worker_id", "queued_items", "queued_tokens", "running_items", "items_per_second", "busy_fraction", "active_streams", "batch_items")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_ITEMS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -412,6 +412,7 @@ class EncoderLoad(_message.Message):
     ITEMS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ITEMS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     queued_items: int
     queued_tokens: int
@@ -419,7 +420,8 @@ class EncoderLoad(_message.Message):
     items_per_second: float
     busy_fraction: float
     active_streams: int
-    def __init__(self, worker_id: _Optional[str] = ..., queued_items: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running_items: _Optional[int] = ..., items_per_second: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., active_streams: _Optional[int] = ...) -> None: ...
+    batch_items: float
+    def __init__(self, worker_id: _Optional[str] = ..., queued_items: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running_items: _Optional[int] = ..., items_per_second: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., active_streams: _Optional[int] = ..., batch_items: _Optional[float] = ...) -> None: ...
 
 class GridTHW(_message.Message):
     __slots__ = ("t", "h", "w")
@@ -482,7 +484,7 @@ class LMGenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., missing_mm_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LMLoad(_message.Message):
-    __slots__ = ("worker_id", "running_requests", "waiting_requests", "running_tokens", "waiting_tokens", "kv_blocks_used", "kv_blocks_total", "tokens_per_second", "waiting_for_embeddings")
+    __slots__ = ("worker_id", "running_requests", "waiting_requests", "running_tokens", "waiting_tokens", "kv_blocks_used", "kv_blocks_total", "tokens_per_second", "waiting_for_embeddings", "ec_local_hits", "ec_local_misses", "ec_redis_hits", "ec_redis_misses", "batch_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -492,6 +494,11 @@ class LMLoad(_message.Message):
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    EC_LOCAL_HITS_FIELD_NUMBER: _ClassVar[int]
+    EC_LOCAL_MISSES_FIELD_NUMBER: _ClassVar[int]
+    EC_REDIS_HITS_FIELD_NUMBER: _ClassVar[int]
+    EC_REDIS_MISSES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running_requests: int
     waiting_requests: int
@@ -501,4 +508,9 @@ class LMLoad(_message.Message):
     kv_blocks_total: int
     tokens_per_second: float
     waiting_for_embeddings: int
-    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., waiting_for_embeddings: _Optional[int] = ...) -> None: ...
+    ec_local_hits: int
+    ec_local_misses: int
+    ec_redis_hits: int
+    ec_redis_misses: int
+    batch_size: float
+    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., waiting_for_embeddings: _Optional[int] = ..., ec_local_hits: _Optional[int] = ..., ec_local_misses: _Optional[int] = ..., ec_redis_hits: _Optional[int] = ..., ec_redis_misses: _Optional[int] = ..., batch_size: _Optional[float] = ...) -> None: ...

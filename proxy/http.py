@@ -7,6 +7,8 @@
     GET  /health                per role: healthy / degraded / unavailable (503 when nothing
                                 can serve)
     GET  /metrics               Prometheus
+    GET  /dashboard             the health dashboard; GET /dashboard/state, its data as JSON
+                                (proxy/dashboard.py)
 
 The official `openai` client works against it unchanged. Errors come in the OpenAI shape.
 """
@@ -28,6 +30,7 @@ from aiohttp import web
 from epd.media import AudioClip, MediaInput
 from models import MediaError
 from proto import epd_pb2
+from proxy.dashboard import add_dashboard
 from proxy.encode import Unavailable
 from proxy.prepare import BadInput, ChatMessage, Part
 
@@ -177,6 +180,7 @@ class HttpApi:
                 web.post("/v1/chat/completions", self.chat_completions),
             ]
         )
+        add_dashboard(self.app, proxy_ref, lambda: self.serving)
         self.runner: web.AppRunner | None = None
 
     @property
