@@ -56,17 +56,17 @@ class EncodeDispatcher:
 
     def submit(
         self, items: list[PreparedItem], deadline: float
-    ) -> tuple[list[asyncio.Future], int]:
-        """Futures of EncodeResult, one per item; and how many joined encodes in flight."""
+    ) -> tuple[list[asyncio.Future], list[bool]]:
+        """Futures of EncodeResult, one per item; and per item whether it joined an encode
+        already in flight (single flight)."""
         loop = asyncio.get_running_loop()
-        futures, new, joined = [], [], 0
+        futures, new, joined = [], [], []
         for item in items:
             future = self.inflight.get(item.mm_hash)
+            joined.append(future is not None)
             if future is None:
                 future = self.inflight[item.mm_hash] = loop.create_future()
                 new.append(item)
-            else:
-                joined += 1
             futures.append(future)
         if new:
             task = asyncio.create_task(self._dispatch(new, deadline))

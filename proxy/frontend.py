@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import grpc
 
@@ -97,16 +98,14 @@ class Frontend:
                 held = [False] * len(hashes)
             timings.cache_lookup_seconds = time.perf_counter() - started
             missing = [i for i, h in zip(req.items, held, strict=True) if not h]
-            usage.mm_items_held = len(req.items) - len(missing)
-            self.metrics.mm_items.labels("held").inc(usage.mm_items_held)
+            self._count(usage, "held", len(req.items) - len(missing))
             if missing:
                 encodes, joined = self.dispatcher.submit(missing, deadline)
-                for f in encodes:  # retrieved even if this request ends first
-                    f.add_done_callback(_consume)
-                usage.mm_items_deduplicated = joined
-                usage.mm_items_encoded = len(missing) - joined
-                self.metrics.mm_items.labels("deduplicated").inc(joined)
-                self.metrics.mm_items.labels("encoded").inc(len(missing) - joined)
+                self._count(usage, "deduplicated", sum(joined))
+                for future, was_joined in zip(encodes, joined, strict=True):
+                    future.add_done_callback(_consume)  # retrieved even if this request ends
+                    if not was_joined:
+                        future.add_done_callback(partial(self._count_outcome, usage))
         encode_started = time.perf_counter()
         if encodes:
             encode_watch = asyncio.ensure_future(
@@ -123,6 +122,21 @@ class Frontend:
                 yield chunk
         finally:
             encode_watch.cancel()
+
+    def _count(self, usage: epd_pb2.Usage, result: str, n: int) -> None:
+        """One place counts media items, for the request's usage and for the metrics."""
+        if n:
+            field = f"mm_items_{result}"  # held | encoded | deduplicated
+            setattr(usage, field, getattr(usage, field) + n)
+            self.metrics.mm_items.labels(result).inc(n)
+
+    def _count_outcome(self, usage: epd_pb2.Usage, future: asyncio.Future) -> None:
+        """An encode this request dispatched: stored (encoded) or, when another encoder or
+        request published it meanwhile, held (no tower work ran)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        held = future.result().outcome == epd_pb2.ENCODE_OUTCOME_HELD
+        self._count(usage, "held" if held else "encoded", 1)
 
     async def _encodes_done(self, encodes, timings: epd_pb2.StageTimings, started: float) -> None:
         """Raises the first encode failure (the request is answered with it)."""
