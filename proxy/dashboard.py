@@ -5,8 +5,8 @@ Once a second a sampler reads what the proxy already keeps (its Prometheus count
 their public `collect()`, the workers' last GetLoad answers, `Proxy.pending`) and appends one
 sample to a ring buffer of `HISTORY_SECONDS`; every other second it asks Redis for `INFO memory`,
 `INFO stats` and `DBSIZE`. Time to first token and inter-token latency percentiles come from the
-raw values the proxy observes, kept for `LATENCY_WINDOW_SECONDS` (at most `LATENCY_SAMPLES` of
-each). Everything is bounded: an hour of traffic or 50 workers cost what 15 minutes and 3 do.
+raw values the proxy observes (ProxyMetrics' latency windows: the last minute, bounded).
+Everything is bounded: an hour of traffic or 50 workers cost what 15 minutes and 3 do.
 
 `GET /dashboard/state[?since=T]` (T: unix seconds; history after T only, what the page polls):
 
@@ -68,6 +68,8 @@ from typing import TYPE_CHECKING, Any
 import redis
 from aiohttp import web
 
+from proxy.workers import overall_status
+
 if TYPE_CHECKING:
     from proxy.server import Proxy
     from proxy.workers import Worker
@@ -75,8 +77,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HISTORY_SECONDS = 900  # per-second samples kept (15 minutes)
-LATENCY_WINDOW_SECONDS = 60.0
-LATENCY_SAMPLES = 20_000  # raw values kept per latency series, at most
 RECENT_SECONDS = 300  # the "recent" column of requests by status
 REDIS_POLL_TICKS = 2  # Redis INFO every this many samples
 REDIS_TIMEOUT = 2.0
@@ -135,6 +135,10 @@ def _r(x: float | None) -> float | None:
     return float(f"{x:.4g}")
 
 
+def _rounded(percentiles: dict[str, Any]) -> dict[str, Any]:
+    return {k: v if k == "count" else _r(v) for k, v in percentiles.items()}
+
+
 def _rate(hits: float, misses: float) -> float | None:
     total = hits + misses
     return _r(hits / total) if total else None
@@ -148,45 +152,6 @@ def _counts(metric) -> dict[tuple[str, ...], float]:
         for s in family.samples
         if s.name.endswith("_total")
     }
-
-
-class LatencyWindow:
-    """The raw values of the last `window` seconds (at most `cap`), and their percentiles."""
-
-    def __init__(self, window: float = LATENCY_WINDOW_SECONDS, cap: int = LATENCY_SAMPLES):
-        self.window = window
-        self.values: deque[tuple[float, float]] = deque(maxlen=cap)  # (unix time, seconds)
-
-    def add(self, value: float, now: float | None = None) -> None:
-        self.values.append((time.time() if now is None else now, value))
-
-    def percentiles(self, now: float | None = None) -> dict[str, Any]:
-        horizon = (time.time() if now is None else now) - self.window
-        while self.values and self.values[0][0] < horizon:
-            self.values.popleft()
-        ordered = sorted(v for _, v in self.values)
-        n = len(ordered)
-
-        def rank(q: float) -> float | None:  # nearest rank
-            return _r(ordered[min(n - 1, math.ceil(q * n) - 1)]) if n else None
-
-        return {"count": n, "p50": rank(0.50), "p95": rank(0.95), "p99": rank(0.99)}
-
-
-class _Recording:
-    """Stands in for one of ProxyMetrics' histograms: each observation goes to the histogram
-    (Prometheus, unchanged) and to a LatencyWindow (the dashboard's percentiles)."""
-
-    def __init__(self, histogram, window: LatencyWindow):
-        self.histogram = histogram
-        self.window = window
-
-    def observe(self, amount: float, exemplar=None) -> None:
-        self.histogram.observe(amount, exemplar)
-        self.window.add(amount)
-
-    def __getattr__(self, name: str):
-        return getattr(self.histogram, name)
 
 
 class History:
@@ -231,28 +196,14 @@ class Dashboard:
         self.interval = interval
         self.started = time.time()
         self.history = History(history_seconds)
-        self.ttft = LatencyWindow()
-        self.itl = LatencyWindow()
         self.redis_info: dict[str, Any] = {"reachable": False, "error": "not checked yet"}
-        self.attached: Proxy | None = None
         self._last: dict[str, Any] | None = None  # counters at the previous sample
         self._recent: deque[tuple[float, dict]] = deque(maxlen=RECENT_SECONDS)
         self._ticks = 0
 
     @property
     def proxy(self) -> Proxy | None:
-        if self.attached is None and self._proxy:
-            self.attach(self._proxy[0])
-        return self.attached
-
-    def attach(self, proxy: Proxy) -> None:
-        """Start recording the proxy's TTFT / ITL observations (once per proxy)."""
-        m = proxy.metrics
-        if not isinstance(m.ttft, _Recording):
-            m.ttft = _Recording(m.ttft, self.ttft)
-        if not isinstance(m.itl, _Recording):
-            m.itl = _Recording(m.itl, self.itl)
-        self.attached = proxy
+        return self._proxy[0] if self._proxy else None
 
     # -- sampling -----------------------------------------------------------------------------
 
@@ -288,10 +239,11 @@ class Dashboard:
             "errors": errors / dt,
             "pending": proxy.pending,
         }
-        for name, window in (("ttft", self.ttft), ("itl", self.itl)):
+        windows = (("ttft", proxy.metrics.ttft_window), ("itl", proxy.metrics.itl_window))
+        for name, window in windows:
             p = window.percentiles(now)
             for q in ("p50", "p95", "p99"):
-                values[f"{name}_{q}"] = p[q]
+                values[f"{name}_{q}"] = _r(p[q])
         for result in ("held", "encoded", "deduplicated"):
             values[result] = (
                 counters["items"].get(result, 0.0) - last["items"].get(result, 0.0)
@@ -388,13 +340,10 @@ class Dashboard:
             }
             for p in pools
         }
-        lm, enc = proxy.lms.summary(), proxy.encoders.summary()
         state["proxy"] = {
             "model": proxy.served.name,
             "serving": bool(self.serving()),
-            "status": "unavailable"
-            if lm == "unavailable"
-            else ("healthy" if lm == enc == "healthy" else "degraded"),
+            "status": overall_status(proxy.lms, proxy.encoders),
             "pending_requests": proxy.pending,
             "max_pending_requests": proxy.config.proxy.max_pending_requests,
         }
@@ -446,9 +395,9 @@ class Dashboard:
             "requests_per_second": _r(_mean(self.history.last("rps", 10)) or 0.0),
             "recent_seconds": RECENT_SECONDS,
             "by_status": by_status,
-            "latency_window_seconds": self.ttft.window,
-            "ttft": self.ttft.percentiles(now),
-            "itl": self.itl.percentiles(now),
+            "latency_window_seconds": proxy.metrics.ttft_window.window,
+            "ttft": _rounded(proxy.metrics.ttft_window.percentiles(now)),
+            "itl": _rounded(proxy.metrics.itl_window.percentiles(now)),
         }
 
     # -- HTTP ---------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from proto import epd_pb2
 from proxy.dashboard import add_dashboard
 from proxy.encode import Unavailable
 from proxy.prepare import BadInput, ChatMessage, Part
+from proxy.workers import overall_status
 
 if TYPE_CHECKING:
     from epd.server import RoleServer
@@ -222,11 +223,7 @@ class HttpApi:
                     for w in pool.workers.values()
                 ],
             }
-        # Text-only requests need just an LM worker; media needs an encoder too.
-        lm, enc = roles["lm"]["status"], roles["encoder"]["status"]
-        overall = "unavailable" if lm == "unavailable" else (
-            "healthy" if lm == enc == "healthy" else "degraded"
-        )  # fmt: skip
+        overall = overall_status(self.proxy.lms, self.proxy.encoders)
         body = {"status": overall, "proxy": "serving", "roles": roles}
         return web.json_response(body, status=503 if overall == "unavailable" else 200)
 

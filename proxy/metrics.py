@@ -3,7 +3,40 @@ them (deploy/ has a Grafana dashboard)."""
 
 from __future__ import annotations
 
+import math
+import time
+from collections import deque
+from typing import Any
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+# The raw TTFT / ITL values behind the dashboard's percentiles: the last minute, bounded.
+LATENCY_WINDOW_SECONDS = 60.0
+LATENCY_SAMPLES = 20_000
+
+
+class LatencyWindow:
+    """The raw values of the last `window` seconds (at most `cap`), and their percentiles."""
+
+    def __init__(self, window: float = LATENCY_WINDOW_SECONDS, cap: int = LATENCY_SAMPLES):
+        self.window = window
+        self.values: deque[tuple[float, float]] = deque(maxlen=cap)  # (unix time, seconds)
+
+    def add(self, value: float, now: float | None = None) -> None:
+        self.values.append((time.time() if now is None else now, value))
+
+    def percentiles(self, now: float | None = None) -> dict[str, Any]:
+        horizon = (time.time() if now is None else now) - self.window
+        while self.values and self.values[0][0] < horizon:
+            self.values.popleft()
+        ordered = sorted(v for _, v in self.values)
+        n = len(ordered)
+
+        def rank(q: float) -> float | None:  # nearest rank
+            return ordered[min(n - 1, math.ceil(q * n) - 1)] if n else None
+
+        return {"count": n, "p50": rank(0.50), "p95": rank(0.95), "p99": rank(0.99)}
+
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_GAPS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -55,3 +88,13 @@ class ProxyMetrics:
         self.retries = Counter(
             "epd_retries_total", "Calls retried on another worker", ["role"], **kw
         )
+        self.ttft_window = LatencyWindow()
+        self.itl_window = LatencyWindow()
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.ttft_window.add(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self.itl_window.add(seconds)

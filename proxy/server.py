@@ -109,9 +109,9 @@ class Proxy:
                 if chunk.token_ids:
                     if first is None:
                         first = now
-                        self.metrics.ttft.observe(now - prepared.arrival)
+                        self.metrics.observe_ttft(now - prepared.arrival)
                     else:
-                        self.metrics.itl.observe(now - last)
+                        self.metrics.observe_itl(now - last)
                     last = now
                 if chunk.timings is not None:
                     if first is not None:

@@ -265,3 +265,13 @@ class WorkerPool:
         if self.circuit_gauge is not None:
             is_open = worker.breaker.state is Circuit.OPEN
             self.circuit_gauge.labels(self.role, worker.address).set(1 if is_open else 0)
+
+
+def overall_status(lms: WorkerPool, encoders: WorkerPool) -> str:
+    """The cluster as the proxy sees it: unavailable without an LM worker (nothing can be
+    served), healthy when every worker is up, degraded otherwise (text-only requests need just
+    an LM worker; media needs an encoder too)."""
+    lm, enc = lms.summary(), encoders.summary()
+    if lm == "unavailable":
+        return "unavailable"
+    return "healthy" if lm == enc == "healthy" else "degraded"

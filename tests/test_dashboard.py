@@ -26,13 +26,12 @@ from epd.served_model import resolve_model
 from proto import epd_pb2
 from proxy.dashboard import (
     HISTORY_SECONDS,
-    LATENCY_SAMPLES,
     RECENT_SECONDS,
     SERIES,
     Dashboard,
     add_dashboard,
 )
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import LATENCY_SAMPLES, ProxyMetrics
 from proxy.server import Proxy
 from tests.cluster_helpers import Cluster, image_bytes
 
@@ -367,8 +366,8 @@ def feed_an_hour(dashboard: Dashboard, proxy: Proxy, t0: float) -> None:
         now = t0 + i
         for k in range(20):  # 20 requests a second
             m.requests.labels("grpc", "OK" if k else "UNAVAILABLE").inc()
-            dashboard.ttft.add(0.05 + (k % 7) * 0.02 + (i % 60) * 0.001, now)
-            dashboard.itl.add(0.01 + (k % 5) * 0.002 + (i % 300) * 0.0001, now)
+            m.ttft_window.add(0.05 + (k % 7) * 0.02 + (i % 60) * 0.001, now)
+            m.itl_window.add(0.01 + (k % 5) * 0.002 + (i % 300) * 0.0001, now)
         m.mm_items.labels("held").inc(12)
         m.mm_items.labels("encoded").inc(4)
         m.mm_items.labels("deduplicated").inc(1)
@@ -416,9 +415,9 @@ async def test_state_stays_bounded_with_50_workers_and_an_hour_of_samples(big_pr
 
     # However fast latencies come, a window keeps LATENCY_SAMPLES values at most.
     for k in range(LATENCY_SAMPLES + 5000):
-        dashboard.itl.add(0.001 * (k % 100), end)
-    assert len(dashboard.itl.values) == LATENCY_SAMPLES
-    assert dashboard.itl.percentiles(end)["count"] == LATENCY_SAMPLES
+        big_proxy.metrics.itl_window.add(0.001 * (k % 100), end)
+    assert len(big_proxy.metrics.itl_window.values) == LATENCY_SAMPLES
+    assert big_proxy.metrics.itl_window.percentiles(end)["count"] == LATENCY_SAMPLES
 
 
 async def test_page_with_50_workers_and_an_hour_of_data_in_chromium(big_proxy):
