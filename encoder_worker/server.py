@@ -16,16 +16,16 @@ import logging
 
 import grpc
 import torch
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from connector import AsyncECConnector, connector_options, wait_until_reachable
 from encoder_worker.encoder import EncodeItem, ItemResult, MMEncoder
 from encoder_worker.metrics import EncoderMetrics
 from encoder_worker.tower import Tower, load_tower
-from epd.config import ClusterConfig, parse_address
+from epd.config import ClusterConfig
 from epd.media import media_from_proto
 from epd.registry import Registration
-from epd.server import RoleServer, Service, run_role, unimplemented
+from epd.server import RoleServer, Service, run_role, serve_metrics, unimplemented
 from models import MediaError
 from proto import epd_pb2, epd_pb2_grpc
 
@@ -153,14 +153,11 @@ async def serve(config: ClusterConfig, name: str) -> int:
         epd_pb2_grpc.add_EncoderServicer_to_server,
     )
     server = servicer.role = RoleServer(name, config.encoder.listen, [service])
-    metrics_http = None
-    if config.encoder.metrics_port:
-        host, _ = parse_address(config.encoder.listen)
-        try:
-            metrics_http, _thread = start_http_server(config.encoder.metrics_port, host)
-        except OSError as e:
-            logger.error("cannot serve /metrics on %s:%d: %s", host, config.encoder.metrics_port, e)
-            return 1
+    try:
+        stop_metrics = serve_metrics(config.encoder.listen, config.encoder.metrics_port)
+    except OSError as e:
+        logger.error("%s", e)
+        return 1
     registration = Registration(config, "encoder", config.encoder.listen, config.encoder.advertise)
     try:
         return await run_role(
@@ -172,8 +169,8 @@ async def serve(config: ClusterConfig, name: str) -> int:
         )
     finally:
         await servicer.close()
-        if metrics_http is not None:
-            metrics_http.shutdown()
+        if stop_metrics is not None:
+            stop_metrics()
 
 
 def main(config: ClusterConfig, name: str) -> int:

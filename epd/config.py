@@ -91,6 +91,15 @@ def _check_port(key: str, port: int) -> None:
         raise ConfigError(key, f"must be a port in 1..65535, got {port}")
 
 
+def _check_metrics_port(metrics_port: int, listen: str) -> None:
+    if metrics_port:
+        _check_port("metrics_port", metrics_port)
+        if metrics_port == parse_address(listen)[1]:
+            raise ConfigError(
+                "metrics_port", f"is the gRPC port of listen ({listen}): give /metrics another port"
+            )
+
+
 def _check_positive(key: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(key, f"must be > 0, got {value}")
@@ -227,7 +236,7 @@ class EncoderConfig:
     metrics_port: int = 0
 
     def __post_init__(self):
-        _host, port = parse_address(self.listen, "listen")
+        parse_address(self.listen, "listen")
         if self.advertise is not None:
             parse_address(self.advertise, "advertise")
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
@@ -240,13 +249,7 @@ class EncoderConfig:
             raise ConfigError(
                 "preprocess_workers", f"must be >= 0 (0: auto), got {self.preprocess_workers}"
             )
-        if self.metrics_port:
-            _check_port("metrics_port", self.metrics_port)
-            if self.metrics_port == port:
-                raise ConfigError(
-                    "metrics_port",
-                    f"is the gRPC port of listen ({self.listen}): give /metrics another port",
-                )
+        _check_metrics_port(self.metrics_port, self.listen)
 
 
 @dataclass(frozen=True)
@@ -275,6 +278,8 @@ class LMConfig:
     embedding_timeout_seconds: float = 120.0
     # On SIGTERM: how long running requests may take to finish before the worker exits.
     drain_timeout_seconds: float = 60.0
+    # Prometheus /metrics over HTTP on this port, on the listen host (0: off).
+    metrics_port: int = 0
 
     def __post_init__(self):
         parse_address(self.listen, "listen")
@@ -293,6 +298,7 @@ class LMConfig:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         _check_positive("embedding_timeout_seconds", self.embedding_timeout_seconds)
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
+        _check_metrics_port(self.metrics_port, self.listen)
 
 
 @dataclass(frozen=True)

@@ -168,7 +168,7 @@ class LocalCluster:
         lines = [
             f"epd cluster SERVING in {elapsed:.1f}s: model {c.model.served_name}",
             f"  gRPC       {self.proxy.address}  (epd.v1.Inference)",
-            f"  HTTP       {http}  (OpenAI API under /v1; /health, /metrics)",
+            f"  HTTP       {http}  (OpenAI API under /v1; /dashboard, /health, /metrics)",
             *(f"  {r.name:<11}{r.address}" for r in self.encoders + self.lm_workers),
             f"  redis      {redact_url(c.connector.url)}  ({redis_note})",
             f'try:       epd generate "Hello" --target {self.proxy.address}',

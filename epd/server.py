@@ -186,6 +186,24 @@ async def run_role(
     return 0
 
 
+def serve_metrics(listen: str, port: int) -> Callable[[], None] | None:
+    """Prometheus /metrics of this process over HTTP on (listen's host, port), in a thread.
+    Returns its shutdown, or None when port is 0 (off). OSError when the port is taken."""
+    if not port:
+        return None
+    from prometheus_client import start_http_server
+
+    from epd.config import parse_address
+
+    host, _ = parse_address(listen)
+    try:
+        server, _thread = start_http_server(port, host)
+    except OSError as e:
+        raise OSError(f"cannot serve /metrics on {host}:{port}: {e.strerror}") from e
+    logger.info("/metrics on %s:%d", host, port)
+    return server.shutdown
+
+
 async def unimplemented(context: grpc.aio.ServicerContext, method: str, lands_with: str) -> None:
     """Answer an RPC whose behaviour belongs to a later piece of work."""
     await context.abort(

@@ -21,7 +21,7 @@ from connector import AsyncECConnector, ConnectorError, connector_options, wait_
 from epd.config import ClusterConfig
 from epd.registry import Registration
 from epd.served_model import resolve_model
-from epd.server import RoleServer, Service, run_role
+from epd.server import RoleServer, Service, run_role, serve_metrics
 from lm_worker.engine import LMEngine, RequestOutput, build_engine
 from lm_worker.model_state import EmbeddingMismatch
 from lm_worker.request import MMFeature, Request, SamplingParams
@@ -318,6 +318,11 @@ async def serve(config: ClusterConfig, name: str) -> int:
     server = servicer.role = RoleServer(name, config.lm.listen, [service])
     registration = Registration(config, "lm", config.lm.listen, config.lm.advertise)
     try:
+        stop_metrics = serve_metrics(config.lm.listen, config.lm.metrics_port)
+    except OSError as e:
+        logger.error("%s", e)
+        return 1
+    try:
         return await run_role(
             server,
             servicer.load,
@@ -327,6 +332,8 @@ async def serve(config: ClusterConfig, name: str) -> int:
         )
     finally:
         await servicer.close()
+        if stop_metrics is not None:
+            stop_metrics()
 
 
 def main(config: ClusterConfig, name: str) -> int:

@@ -3,8 +3,10 @@ embeddings from the EC connector, waiting for missing ones, errors, abort, drain
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -34,6 +36,7 @@ def lm(tmp_path_factory, checkpoint):
     """A SERVING LM worker process shared by the module's tests (the SIGTERM test, last, ends
     it); yields (stub, a publishing connector, the role)."""
     with EmbeddedRedis() as redis_server:
+        metrics_port = free_port()
         path = write_config(
             tmp_path_factory.mktemp("lm") / "cluster.yaml",
             model={"path": str(checkpoint)},
@@ -43,6 +46,7 @@ def lm(tmp_path_factory, checkpoint):
                 "max_num_batched_tokens": 128,
                 "max_num_seqs": 8,
                 "embedding_timeout_seconds": 3,
+                "metrics_port": metrics_port,
             },
         )
         address = f"127.0.0.1:{free_port()}"
@@ -52,6 +56,7 @@ def lm(tmp_path_factory, checkpoint):
             role.wait_status("SERVING", timeout=120)
             fingerprint = resolve_model(load_config(path)).fingerprint
             publisher = ECConnector(redis_server.url, fingerprint, registry=None)
+            role.metrics_port = metrics_port
             with grpc.insecure_channel(role.address) as channel:
                 yield epd_pb2_grpc.LanguageModelStub(channel), publisher, role
             publisher.close()
@@ -183,6 +188,17 @@ def test_abort_and_client_cancel_free_the_request(lm, ref):
     load = stub.GetLoad(epd_pb2.GetLoadRequest())
     assert load.running_requests == 0
     assert load.kv_blocks_total > 0 and load.worker_id == "lm"
+
+
+def test_metrics_are_served_over_http(lm, ref):
+    stub, _, role = lm
+    collect(stub.Generate(lm_request(case(ref, "metrics-1", "Count me")), timeout=60))
+    url = f"http://127.0.0.1:{role.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    assert "epd_lm_time_to_first_token_seconds_count" in text
+    assert re.search(r"^epd_lm_generated_tokens_total [1-9]", text, re.M)
+    assert "epd_ec_lookups_total" in text  # the connector's, in the same process
 
 
 def test_sigterm_finishes_requests_in_flight_then_exits(lm, ref):
