@@ -52,9 +52,13 @@ def pack_linear_layers(model: nn.Module) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the weights a forward pass reads (packed copies instead of dropped ones)."""
+    """Bytes of the weights one decode step reads: every linear layer's (packed copies where
+    packed), norms and biases; an embedding table is looked up, one row a token, so it does
+    not count (a tied LM head reads its own packed copy)."""
     seen, total = set(), 0
     for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            continue
         tensors = list(module._parameters.values())
         if isinstance(module, PackedLinear):
             tensors = [module.packed_weight, module.packed_bias]
