@@ -7,8 +7,10 @@
       <- a dead LM before any output          retried on another one
 
 NOTE: the LM request goes out as soon as the prompt is ready instead of after the encodes:
-the LM worker's wait is woken by the connector's publish, so the prompt's text prefill and the
-queueing overlap the encoding, and a held image costs no wait at all.
+the LM worker's wait is woken by the connector's publish the moment the last embedding lands,
+so the request costs no extra round trip through the proxy, and a held image no wait at all.
+(The LM worker admits a request once all its embeddings are there; prefilling the text before
+the first missing item while it encodes is a possible next step, not done yet.)
 """
 
 from __future__ import annotations
