@@ -19,7 +19,7 @@ import torch
 
 from connector import wire
 from connector.ec import ECConnector
-from connector.embedded import EmbeddedRedis
+from connector.embedded import redis_or_embedded
 
 FP = "bench"
 
@@ -94,12 +94,7 @@ def bench_size(url: str, size_mib: float, rounds: int, mib_per_round: float = 64
 
 def run(args: argparse.Namespace) -> int:
     sizes = [float(s) for s in args.sizes.split(",")]
-    server = None
-    url = args.redis_url
-    if url is None:
-        server = EmbeddedRedis().start()
-        url = server.url
-    try:
+    with redis_or_embedded(args.redis_url) as (url, server):
         results = []
         for size in sizes:
             r = bench_size(url, size, args.rounds, args.mib_per_round)
@@ -112,12 +107,9 @@ def run(args: argparse.Namespace) -> int:
                 f" ({r['local_hit_vs_memcpy']:.1f}x)",
                 flush=True,
             )
-    finally:
-        if server is not None:
-            server.stop()
     summary = {
         "bench": "connector",
-        "server": "embedded valkey" if server is not None else "external",
+        "server": server,
         "get_vs_raw_get": {f"{r['size_mib']:g}MiB": round(r["get_vs_raw_get"], 3) for r in results},
         "put_vs_raw_set": {f"{r['size_mib']:g}MiB": round(r["put_vs_raw_set"], 3) for r in results},
         "local_hit_vs_memcpy": {

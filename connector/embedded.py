@@ -7,10 +7,12 @@ directory that is removed when it stops.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import redis
@@ -134,3 +136,14 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def redis_or_embedded(url: str | None) -> Iterator[tuple[str, str]]:
+    """(url, "external") when a URL is given, else an embedded server for the duration:
+    (its url, "embedded valkey"). What the benchmarks run against."""
+    if url is not None:
+        yield url, "external"
+        return
+    with EmbeddedRedis() as server:
+        yield server.url, "embedded valkey"

@@ -19,7 +19,6 @@ import asyncio
 import io
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,11 +26,12 @@ import numpy as np
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from connector import AsyncECConnector, EmbeddedRedis
+from connector import AsyncECConnector
+from connector.embedded import redis_or_embedded
 from encoder_worker.encoder import EncodeItem, MMEncoder
 from encoder_worker.metrics import EncoderMetrics
 from encoder_worker.tower import Tower, load_tower
-from epd.config import ClusterConfig, ConnectorConfig, EncoderConfig, ModelConfig
+from epd.config import ClusterConfig, ConnectorConfig, EncoderConfig, ModelConfig, cache_dir
 from epd.media import MediaInput
 
 
@@ -145,26 +145,16 @@ async def bench(args: argparse.Namespace, checkpoint: Path, model: str, url: str
 
 
 def run(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="epd-bench-encoder-") as tmp:
-        if args.model:
-            checkpoint, model = Path(args.model), args.model
-        else:
-            from models import make_checkpoint
+    if args.model:
+        checkpoint, model = Path(args.model), args.model
+    else:
+        from models import ensure_builtin_model
 
-            print("writing the small qwen2_5_vl checkpoint (seed 0)...", flush=True)
-            checkpoint = make_checkpoint(Path(tmp) / "small", "qwen2_5_vl", "small", seed=0)
-            model = "qwen2_5_vl small (random, seed 0)"
-        server = None
-        url = args.redis_url
-        if url is None:
-            server = EmbeddedRedis().start()
-            url = server.url
-        try:
-            summary = asyncio.run(bench(args, checkpoint, model, url))
-        finally:
-            if server is not None:
-                server.stop()
-    summary["server"] = "embedded valkey" if server is not None else "external"
+        print("using the built-in small model (written on first use)", flush=True)
+        checkpoint, model = ensure_builtin_model(cache_dir()), "built-in small (qwen2_5_vl, random)"
+    with redis_or_embedded(args.redis_url) as (url, server):
+        summary = asyncio.run(bench(args, checkpoint, model, url))
+    summary["server"] = server
     print(json.dumps(summary))
     return 0
 
@@ -173,7 +163,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "encoder", help="encoder items/s: cross-request batching vs one item at a time"
     )
-    p.add_argument("--model", help="checkpoint directory (default: a fresh random `small` one)")
+    p.add_argument("--model", help="checkpoint directory (default: the built-in small model)")
     p.add_argument("--redis-url", help="publish into this Redis (default: an embedded one)")
     p.add_argument("--items", type=int, default=48, help="images per side and round (48)")
     p.add_argument("--image-size", type=int, default=224, help="square image side in px (224)")

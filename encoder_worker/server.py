@@ -24,8 +24,7 @@ from encoder_worker.metrics import EncoderMetrics
 from encoder_worker.tower import Tower, load_tower
 from epd.config import ClusterConfig
 from epd.media import media_from_proto
-from epd.registry import Registration
-from epd.server import RoleServer, Service, run_role, serve_metrics, unimplemented
+from epd.server import RoleServer, Service, run_worker, unimplemented
 from models import MediaError
 from proto import epd_pb2, epd_pb2_grpc
 
@@ -153,24 +152,7 @@ async def serve(config: ClusterConfig, name: str) -> int:
         epd_pb2_grpc.add_EncoderServicer_to_server,
     )
     server = servicer.role = RoleServer(name, config.encoder.listen, [service])
-    try:
-        stop_metrics = serve_metrics(config.encoder.listen, config.encoder.metrics_port)
-    except OSError as e:
-        logger.error("%s", e)
-        return 1
-    registration = Registration(config, "encoder", config.encoder.listen, config.encoder.advertise)
-    try:
-        return await run_role(
-            server,
-            servicer.load,
-            config.encoder.drain_timeout_seconds,
-            on_serving=registration.start,
-            on_drain=registration.stop,
-        )
-    finally:
-        await servicer.close()
-        if stop_metrics is not None:
-            stop_metrics()
+    return await run_worker(config, "encoder", server, servicer.load, servicer.close)
 
 
 def main(config: ClusterConfig, name: str) -> int:

@@ -186,6 +186,38 @@ async def run_role(
     return 0
 
 
+async def run_worker(
+    config,  # ClusterConfig
+    kind: str,  # "encoder" | "lm": the config section and the registry role
+    server: RoleServer,
+    load: Callable[[], Awaitable[None]],
+    close: Callable[[], Awaitable[None]],
+) -> int:
+    """A worker role's whole life: its /metrics server, run_role, registration in the registry
+    once SERVING (and out of it when draining), then `close`."""
+    from epd.registry import Registration
+
+    section = getattr(config, kind)
+    try:
+        stop_metrics = serve_metrics(section.listen, section.metrics_port)
+    except OSError as e:
+        logger.error("%s", e)
+        return 1
+    registration = Registration(config, kind, section.listen, section.advertise)
+    try:
+        return await run_role(
+            server,
+            load,
+            section.drain_timeout_seconds,
+            on_serving=registration.start,
+            on_drain=registration.stop,
+        )
+    finally:
+        await close()
+        if stop_metrics is not None:
+            stop_metrics()
+
+
 def serve_metrics(listen: str, port: int) -> Callable[[], None] | None:
     """Prometheus /metrics of this process over HTTP on (listen's host, port), in a thread.
     Returns its shutdown, or None when port is 0 (off). OSError when the port is taken."""

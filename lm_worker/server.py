@@ -19,9 +19,8 @@ import torch
 
 from connector import AsyncECConnector, ConnectorError, connector_options, wait_until_reachable
 from epd.config import ClusterConfig
-from epd.registry import Registration
 from epd.served_model import resolve_model
-from epd.server import RoleServer, Service, run_role, serve_metrics
+from epd.server import RoleServer, Service, run_worker
 from lm_worker.engine import LMEngine, RequestOutput, build_engine
 from lm_worker.model_state import EmbeddingMismatch
 from lm_worker.request import MMFeature, Request, SamplingParams
@@ -316,24 +315,7 @@ async def serve(config: ClusterConfig, name: str) -> int:
         epd_pb2_grpc.add_LanguageModelServicer_to_server,
     )
     server = servicer.role = RoleServer(name, config.lm.listen, [service])
-    registration = Registration(config, "lm", config.lm.listen, config.lm.advertise)
-    try:
-        stop_metrics = serve_metrics(config.lm.listen, config.lm.metrics_port)
-    except OSError as e:
-        logger.error("%s", e)
-        return 1
-    try:
-        return await run_role(
-            server,
-            servicer.load,
-            config.lm.drain_timeout_seconds,
-            on_serving=registration.start,
-            on_drain=registration.stop,
-        )
-    finally:
-        await servicer.close()
-        if stop_metrics is not None:
-            stop_metrics()
+    return await run_worker(config, "lm", server, servicer.load, servicer.close)
 
 
 def main(config: ClusterConfig, name: str) -> int:
