@@ -215,6 +215,8 @@ class Frontend:
             return
         stream = call.__aiter__()
         while True:
+            if encode_watch.done() and encode_watch.exception() is not None:
+                raise encode_watch.exception()  # (it may have failed while we handled a miss)
             next_msg = asyncio.ensure_future(stream.__anext__())
             waiting = {next_msg} if encode_watch.done() else {next_msg, encode_watch}
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)

@@ -260,6 +260,7 @@ def test_a_full_proxy_sheds_load_and_deadlines_reach_the_lm(cluster, tmp_path):
     proxy = RoleProcess("proxy-b", "proxy", f"127.0.0.1:{grpc_port}", Child("proxy-b", argv))
     try:
         proxy.wait_status("SERVING", timeout=60)
+        wait_until_lm_is_seen(http_port)
         lm_process = cluster.roles["lm-0"].child
         with grpc.insecure_channel(proxy.address) as channel:
             stub = epd_pb2_grpc.InferenceStub(channel)
@@ -303,6 +304,24 @@ def test_a_full_proxy_sheds_load_and_deadlines_reach_the_lm(cluster, tmp_path):
             assert lm.GetLoad(epd_pb2.GetLoadRequest()).running_requests == 0
     finally:
         proxy.child.stop(20)
+
+
+def wait_until_lm_is_seen(http_port: int) -> None:
+    """Until the proxy's health watch has seen its LM worker SERVING (before a test stops it)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5) as r:
+                if json.loads(r.read())["roles"]["lm"]["status"] == "healthy":
+                    return
+        except urllib.error.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the proxy never saw its LM worker SERVING")
 
 
 def cluster_http(port: int, body: dict) -> tuple[int, dict]:
