@@ -122,7 +122,7 @@ class LMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-        self.emit = emit or _deliver
+        self.emit = emit or deliver
         self.metrics = EngineMetrics(registry)
         self.live: dict[str, _Live] = {}
         self.tokens_generated = 0
@@ -424,7 +424,8 @@ def _timings(request: Request) -> dict[str, float]:
     return t
 
 
-def _deliver(outputs: list[tuple[Sink, RequestOutput]]) -> None:
+def deliver(outputs: list[tuple[Sink, RequestOutput]]) -> None:
+    """Hand each output to its request's sink (the engine's default `emit`)."""
     for sink, out in outputs:
         sink(out)
 

@@ -21,7 +21,7 @@ from connector import AsyncECConnector, ConnectorError, connector_options, wait_
 from epd.config import ClusterConfig
 from epd.served_model import resolve_model
 from epd.server import RoleServer, Service, run_worker
-from lm_worker.engine import LMEngine, RequestOutput, build_engine
+from lm_worker.engine import LMEngine, RequestOutput, build_engine, deliver
 from lm_worker.model_state import EmbeddingMismatch
 from lm_worker.request import MMFeature, Request, SamplingParams
 from proto import epd_pb2, epd_pb2_grpc
@@ -186,7 +186,7 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         loop = asyncio.get_running_loop()
 
         def emit(items):
-            loop.call_soon_threadsafe(_deliver, items)
+            loop.call_soon_threadsafe(deliver, items)
 
         self.engine = await asyncio.to_thread(build_engine, c, str(served.path), served.dtype, emit)
         await asyncio.to_thread(self.engine.runner.dummy_run, 1)
@@ -300,11 +300,6 @@ def _fetches_by_tier(connector: AsyncECConnector) -> dict[str, int]:
             result = "hits" if labels["result"] == "hit" else "misses"
             counts[f"ec_{labels['tier']}_{result}"] = int(sample.value)
     return counts
-
-
-def _deliver(items) -> None:
-    for sink, out in items:
-        sink(out)
 
 
 async def serve(config: ClusterConfig, name: str) -> int:

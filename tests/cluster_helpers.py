@@ -112,16 +112,7 @@ class Cluster:
         return tokens, last
 
     def http(self, path: str, body: dict | None = None) -> tuple[int, dict]:
-        url = f"http://127.0.0.1:{self.proxy_http}{path}"
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(
-            url, data=data, headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as reply:
-                return reply.status, json.loads(reply.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+        return http_json(self.proxy_http, path, body)
 
     def metric(self, name: str, **labels) -> float:
         """A sample from the proxy's /metrics (0 when absent)."""
@@ -136,3 +127,16 @@ class Cluster:
                 if got == want:
                     return float(m.group(3))
         return 0.0
+
+
+def http_json(port: int, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """(status, JSON body) of a GET (or a POST of `body`) to a proxy's HTTP port."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -35,6 +35,14 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), "qwen2_5_vl", "tiny", seed=7)
 
 
+@pytest.fixture(scope="session")
+def tiny_ref(tiny_checkpoint):
+    """The models' reference path on the tiny checkpoint: expected tokens for the tests."""
+    from models import ReferenceModel
+
+    return ReferenceModel(tiny_checkpoint)
+
+
 @pytest.fixture
 def redis_server():
     """A private valkey-server on a free loopback port, stopped (and its directory removed)

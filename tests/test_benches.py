@@ -19,6 +19,23 @@ def bench(*args: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def test_bench_connector(redis_server):
+    summary = bench(
+        "connector",
+        "--redis-url",
+        redis_server.url,
+        "--sizes",
+        "0.01,0.05",
+        "--rounds",
+        "1",
+        "--mib-per-round",
+        "1",
+    )
+    assert summary["bench"] == "connector"
+    assert set(summary["get_vs_raw_get"]) == {"0.01MiB", "0.05MiB"}
+    assert all(r["raw_get_gbps"] > 0 and r["get_gbps"] > 0 for r in summary["results"])
+
+
 def test_bench_encoder(tiny_checkpoint, redis_server):
     summary = bench(
         "encoder",

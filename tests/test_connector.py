@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 import threading
@@ -355,31 +354,3 @@ def test_local_tier_is_thread_safe():
     for t in threads:
         t.join()
     assert tier.nbytes == len(tier) * 400 <= 50 * 400
-
-
-def test_bench_prints_its_figures_as_json_last(redis_server):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "epd",
-            "bench",
-            "connector",
-            "--redis-url",
-            redis_server.url,
-            "--sizes",
-            "0.01,0.05",
-            "--rounds",
-            "1",
-            "--mib-per-round",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["bench"] == "connector"
-    assert set(summary["get_vs_raw_get"]) == {"0.01MiB", "0.05MiB"}
-    assert all(r["raw_get_gbps"] > 0 and r["get_gbps"] > 0 for r in summary["results"])

@@ -12,44 +12,34 @@ import torch
 
 from lm_worker.attention import PagedAttention
 from lm_worker.request import MMFeature, Request, SamplingParams
-from models import ContiguousKVAttention, Qwen2LanguageModel, ReferenceModel, make_checkpoint
+from models import ContiguousKVAttention, Qwen2LanguageModel, ReferenceModel
 from tests.lm_helpers import Collected, case, make_engine, png, run
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen2_5_vl", "tiny", seed=1)
-
-
-@pytest.fixture(scope="module")
-def ref(checkpoint):
-    return ReferenceModel(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def cases(ref):
+def cases(tiny_ref):
     return {
-        "text": case(ref, "text", "Hello there, how are you today?"),
-        "image": case(ref, "image", "What is in this picture?", [png(120, 64)]),
-        "two": case(ref, "two", "Compare them", [png(56, 56), png(84, 112, (10, 200, 30))]),
+        "text": case(tiny_ref, "text", "Hello there, how are you today?"),
+        "image": case(tiny_ref, "image", "What is in this picture?", [png(120, 64)]),
+        "two": case(tiny_ref, "two", "Compare them", [png(56, 56), png(84, 112, (10, 200, 30))]),
     }
 
 
-def test_mixed_batch_of_text_and_image_requests(checkpoint, cases):
-    engine = make_engine(checkpoint)
+def test_mixed_batch_of_text_and_image_requests(tiny_checkpoint, cases):
+    engine = make_engine(tiny_checkpoint)
     out = run(engine, *cases.values())
     for c in cases.values():
         assert out[c.request_id].token_ids == c.expected, c.request_id
         assert out[c.request_id].last.finish_reason == "length"
 
 
-def test_two_images_in_one_request(checkpoint, cases):
+def test_two_images_in_one_request(tiny_checkpoint, cases):
     two = cases["two"]
     assert len(two.features) == 2
-    assert run(make_engine(checkpoint), two)["two"].token_ids == two.expected
+    assert run(make_engine(tiny_checkpoint), two)["two"].token_ids == two.expected
 
 
-def test_chunked_prefill_cuts_through_an_image(checkpoint, cases):
+def test_chunked_prefill_cuts_through_an_image(tiny_checkpoint, cases):
     image = cases["image"]
     budget = 8
     f = image.features[0]
@@ -57,50 +47,52 @@ def test_chunked_prefill_cuts_through_an_image(checkpoint, cases):
     assert any(
         f.offset < k < f.offset + f.length for k in range(budget, f.offset + f.length, budget)
     )
-    engine = make_engine(checkpoint, max_num_batched_tokens=budget, max_num_seqs=4)
+    engine = make_engine(tiny_checkpoint, max_num_batched_tokens=budget, max_num_seqs=4)
     out = run(engine, image, cases["text"])
     assert out["image"].token_ids == image.expected
     assert out["text"].token_ids == cases["text"].expected
 
 
-def test_padded_decode_batches_match_unpadded(checkpoint, cases):
+def test_padded_decode_batches_match_unpadded(tiny_checkpoint, cases):
     # The CUDA-graph input path (padded to a captured size, full-width block tables, padded
     # request count in the metadata), run eagerly.
-    engine = make_engine(checkpoint, pad_decodes=True, max_num_seqs=8)
+    engine = make_engine(tiny_checkpoint, pad_decodes=True, max_num_seqs=8)
     assert engine.runner.graph_sizes == [1, 2, 4, 8]
     out = run(engine, *cases.values())  # 3 decodes pad to 4
     for c in cases.values():
         assert out[c.request_id].token_ids == c.expected
 
 
-def test_is_embed_mask_with_holes(checkpoint, ref):
+def test_is_embed_mask_with_holes(tiny_checkpoint, tiny_ref):
     # A placeholder run of 10 tokens where positions 3 and 7 are ordinary tokens (not
     # embeddings): 8 embedding rows fill the other 8.
-    tokenizer = ref.tokenizer
+    tokenizer = tiny_ref.tokenizer
     ids = tokenizer.encode("Some text before the media and after it too, padded out.")
     offset, length = 4, 10
     is_embed = np.ones(length, dtype=bool)
     is_embed[[3, 7]] = False
     torch.manual_seed(0)
-    rows = torch.randn(int(is_embed.sum()), ref.lm.config.hidden_size) * 0.5
+    rows = torch.randn(int(is_embed.sum()), tiny_ref.lm.config.hidden_size) * 0.5
     mask = torch.zeros(len(ids), dtype=torch.bool)
     mask[offset : offset + length] = torch.from_numpy(is_embed)
-    expected = reference_greedy(ref, ids, rows, mask, max_tokens=16)
+    expected = reference_greedy(tiny_ref, ids, rows, mask, max_tokens=16)
 
     feature = MMFeature("holes", offset, length, is_embed, modality="audio")
     request = Request(
         "holes", ids, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), [feature]
     )
-    engine = make_engine(checkpoint, max_num_batched_tokens=8, max_num_seqs=4)  # chunks cut it
+    engine = make_engine(tiny_checkpoint, max_num_batched_tokens=8, max_num_seqs=4)  # chunks cut it
     out = run(engine, (request, {"holes": rows}))
     assert out["holes"].token_ids == expected
 
 
 @torch.inference_mode()
-def reference_greedy(ref: ReferenceModel, ids, rows, mask, max_tokens, audio=None) -> list[int]:
+def reference_greedy(
+    tiny_ref: ReferenceModel, ids, rows, mask, max_tokens, audio=None
+) -> list[int]:
     """Greedy tokens of the reference LM on text positions, with `rows` merged at `mask`, and
     (realtime) `audio[i]` added to the embedding of the i-th generated token fed back."""
-    lm = ref.lm
+    lm = tiny_ref.lm
     attention = ContiguousKVAttention(lm.config.num_layers)
     model = Qwen2LanguageModel(lm.config, attention)
     model.load_state_dict(lm.state_dict())
@@ -135,14 +127,14 @@ class RealtimeTestLM(Qwen2LanguageModel):
         return embeds
 
 
-def test_realtime_model_gathers_embeddings_on_decode_steps(checkpoint, ref, cases):
-    ids = ref.tokenizer.encode("Transcribe the audio that follows:")
+def test_realtime_model_gathers_embeddings_on_decode_steps(tiny_checkpoint, tiny_ref, cases):
+    ids = tiny_ref.tokenizer.encode("Transcribe the audio that follows:")
     steps = 12
     torch.manual_seed(1)
-    audio = torch.randn(steps, ref.lm.config.hidden_size) * 0.5
-    expected = reference_greedy(ref, ids, None, None, steps, audio=audio)
+    audio = torch.randn(steps, tiny_ref.lm.config.hidden_size) * 0.5
+    expected = reference_greedy(tiny_ref, ids, None, None, steps, audio=audio)
 
-    engine = make_engine(checkpoint, model_cls=RealtimeTestLM)
+    engine = make_engine(tiny_checkpoint, model_cls=RealtimeTestLM)
     assert engine.runner.mm.is_realtime
     # The first generated token sits at index len(ids); from there on each step adds a row.
     feature = MMFeature("session-1", len(ids), steps, modality="audio")
@@ -169,8 +161,8 @@ def test_realtime_model_gathers_embeddings_on_decode_steps(checkpoint, ref, case
     assert sinks["rt"].last.finish_reason == "length"
 
 
-def test_dummy_run_reads_dummy_inputs_embeds(checkpoint):
-    engine = make_engine(checkpoint)
+def test_dummy_run_reads_dummy_inputs_embeds(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint)
     runner = engine.runner
     torch.manual_seed(2)
     runner.inputs_embeds[:4] = torch.randn(4, runner.inputs_embeds.shape[1])
@@ -184,24 +176,24 @@ def test_dummy_run_reads_dummy_inputs_embeds(checkpoint):
     assert torch.count_nonzero(runner.attention.kv_cache[:, :, 1:]) == 0
 
 
-def test_preemption_and_resume_give_identical_tokens(checkpoint, ref):
+def test_preemption_and_resume_give_identical_tokens(tiny_checkpoint, tiny_ref):
     cases = [
-        case(ref, f"p{i}", f"Tell me story number {i} in a few words", max_tokens=40)
+        case(tiny_ref, f"p{i}", f"Tell me story number {i} in a few words", max_tokens=40)
         for i in range(4)
     ]
     # 16 usable blocks of 8 tokens: the four requests cannot all hold their ~100 tokens.
     per_block = PagedAttention.bytes_per_block(
-        2, 8, ref.lm.config.num_kv_heads, ref.lm.config.head_dim, torch.float32
+        2, 8, tiny_ref.lm.config.num_kv_heads, tiny_ref.lm.config.head_dim, torch.float32
     )
-    engine = make_engine(checkpoint, block_size=8, kv_cache_bytes=17 * per_block)
+    engine = make_engine(tiny_checkpoint, block_size=8, kv_cache_bytes=17 * per_block)
     out = run(engine, *cases)
     assert engine.scheduler.num_preemptions > 0
     for c in cases:
         assert out[c.request_id].token_ids == c.expected, c.request_id
 
 
-def test_prefix_cache_hits_give_identical_tokens(checkpoint, ref, cases):
-    engine = make_engine(checkpoint, block_size=8)
+def test_prefix_cache_hits_give_identical_tokens(tiny_checkpoint, tiny_ref, cases):
+    engine = make_engine(tiny_checkpoint, block_size=8)
     text = cases["text"]
     first = run(engine, text)["text"]
     again = run(engine, text)["text"]
@@ -210,10 +202,10 @@ def test_prefix_cache_hits_give_identical_tokens(checkpoint, ref, cases):
     assert again.token_ids == first.token_ids == text.expected
 
 
-def test_same_text_different_images_never_share_blocks(checkpoint, ref):
-    engine = make_engine(checkpoint, block_size=4)
-    a = case(ref, "a", "Describe the image", [png(56, 84)])
-    b = case(ref, "b", "Describe the image", [png(56, 84, (0, 0, 255))])
+def test_same_text_different_images_never_share_blocks(tiny_checkpoint, tiny_ref):
+    engine = make_engine(tiny_checkpoint, block_size=4)
+    a = case(tiny_ref, "a", "Describe the image", [png(56, 84)])
+    b = case(tiny_ref, "b", "Describe the image", [png(56, 84, (0, 0, 255))])
     assert a.token_ids == b.token_ids  # same text, same placeholder run
     run(engine, a)
     out = run(engine, b)["b"]
@@ -223,35 +215,38 @@ def test_same_text_different_images_never_share_blocks(checkpoint, ref):
     assert out.token_ids == b.expected
 
 
-def test_sampling_with_a_seed_is_reproducible_whatever_the_batch(checkpoint, cases):
+def test_sampling_with_a_seed_is_reproducible_whatever_the_batch(tiny_checkpoint, cases):
     params = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 1234, "max_tokens": 20}
-    alone = run(make_engine(checkpoint), (cases["text"].request(**params), {}))
+    alone = run(make_engine(tiny_checkpoint), (cases["text"].request(**params), {}))
     crowd = run(
-        make_engine(checkpoint), (cases["text"].request(**params), {}), cases["image"], cases["two"]
+        make_engine(tiny_checkpoint),
+        (cases["text"].request(**params), {}),
+        cases["image"],
+        cases["two"],
     )
     assert alone["text"].token_ids == crowd["text"].token_ids
-    other = run(make_engine(checkpoint), (cases["text"].request(**{**params, "seed": 99}), {}))
+    other = run(make_engine(tiny_checkpoint), (cases["text"].request(**{**params, "seed": 99}), {}))
     assert other["text"].token_ids != alone["text"].token_ids
 
 
-def test_stop_tokens_stop_strings_and_logprobs(checkpoint, ref, cases):
+def test_stop_tokens_stop_strings_and_logprobs(tiny_checkpoint, tiny_ref, cases):
     text = cases["text"]
     expected = text.expected
     # A stop token id: generation ends on it (it is the last token).
     stop_at = expected[5]
     first = expected.index(stop_at)
-    out = run(make_engine(checkpoint), (text.request(stop_token_ids=(stop_at,)), {}))["text"]
+    out = run(make_engine(tiny_checkpoint), (text.request(stop_token_ids=(stop_at,)), {}))["text"]
     assert out.token_ids == expected[: first + 1] and out.last.finish_reason == "stop"
 
     # A stop string: the text ends right before it, and the string itself is not returned.
-    full = ref.tokenizer.decode(expected, skip_special_tokens=True)
+    full = tiny_ref.tokenizer.decode(expected, skip_special_tokens=True)
     stop = full[10:14]
-    out = run(make_engine(checkpoint), (text.request(stop=(stop,)), {}))["text"]
+    out = run(make_engine(tiny_checkpoint), (text.request(stop=(stop,)), {}))["text"]
     assert out.last.finish_reason == "stop"
     assert out.text == full[: full.index(stop)]
 
     # Log-probabilities of the sampled token and the top 3.
-    out = run(make_engine(checkpoint), (text.request(logprobs=3, max_tokens=4), {}))["text"]
+    out = run(make_engine(tiny_checkpoint), (text.request(logprobs=3, max_tokens=4), {}))["text"]
     entries = [lp for o in out.outputs for lp in o.logprobs]
     assert len(entries) == 4
     for token, entry in zip(out.token_ids, entries, strict=True):
@@ -260,8 +255,8 @@ def test_stop_tokens_stop_strings_and_logprobs(checkpoint, ref, cases):
         assert entry.logprob <= 0
 
 
-def test_abort_mid_stream(checkpoint, cases):
-    engine = make_engine(checkpoint)
+def test_abort_mid_stream(tiny_checkpoint, cases):
+    engine = make_engine(tiny_checkpoint)
     engine.start()
     try:
         first_token = threading.Event()

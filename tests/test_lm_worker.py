@@ -15,31 +15,20 @@ from connector import ECConnector, EmbeddedRedis
 from epd.config import load_config
 from epd.process import Child, epd_command, free_port, port_is_free
 from epd.served_model import resolve_model
-from models import ReferenceModel, make_checkpoint
 from proto import epd_pb2, epd_pb2_grpc
 from tests.helpers import RoleProcess, write_config
 from tests.lm_helpers import case, png
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen2_5_vl", "tiny", seed=3)
-
-
-@pytest.fixture(scope="module")
-def ref(checkpoint):
-    return ReferenceModel(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory, checkpoint):
+def lm(tmp_path_factory, tiny_checkpoint):
     """A SERVING LM worker process shared by the module's tests (the SIGTERM test, last, ends
     it); yields (stub, a publishing connector, the role)."""
     with EmbeddedRedis() as redis_server:
         metrics_port = free_port()
         path = write_config(
             tmp_path_factory.mktemp("lm") / "cluster.yaml",
-            model={"path": str(checkpoint)},
+            model={"path": str(tiny_checkpoint)},
             connector={"url": redis_server.url},
             lm={
                 "kv_cache_bytes": "64MiB",
@@ -89,9 +78,9 @@ def collect(stream) -> tuple[list[int], list[epd_pb2.LMGenerateResponse]]:
     return [t for m in messages for t in m.token_ids], messages
 
 
-def test_text_generation_over_grpc_matches_reference(lm, ref):
+def test_text_generation_over_grpc_matches_reference(lm, tiny_ref):
     stub, _, _ = lm
-    c = case(ref, "text-1", "Tell me something short")
+    c = case(tiny_ref, "text-1", "Tell me something short")
     tokens, messages = collect(stub.Generate(lm_request(c), timeout=60))
     assert tokens == c.expected
     last = messages[-1]
@@ -100,12 +89,12 @@ def test_text_generation_over_grpc_matches_reference(lm, ref):
     assert last.usage.completion_tokens == len(c.expected)
     assert last.timings.time_to_first_token_seconds > 0
     text = "".join(m.text for m in messages)
-    assert text == ref.tokenizer.decode(c.expected, skip_special_tokens=True)
+    assert text == tiny_ref.tokenizer.decode(c.expected, skip_special_tokens=True)
 
 
-def test_image_embeddings_come_from_the_connector(lm, ref):
+def test_image_embeddings_come_from_the_connector(lm, tiny_ref):
     stub, publisher, _ = lm
-    c = case(ref, "img-1", "What is this?", [png(84, 56)])
+    c = case(tiny_ref, "img-1", "What is this?", [png(84, 56)])
     for mm_hash, tensor in c.embeddings.items():
         assert publisher.put(mm_hash, tensor).stored
     tokens, messages = collect(stub.Generate(lm_request(c), timeout=60))
@@ -113,9 +102,9 @@ def test_image_embeddings_come_from_the_connector(lm, ref):
     assert not any(m.missing_mm_hashes for m in messages)
 
 
-def test_missing_embedding_is_reported_waited_for_and_completes(lm, ref):
+def test_missing_embedding_is_reported_waited_for_and_completes(lm, tiny_ref):
     stub, publisher, _ = lm
-    c = case(ref, "late-1", "Describe it", [png(56, 84, (9, 9, 200))])
+    c = case(tiny_ref, "late-1", "Describe it", [png(56, 84, (9, 9, 200))])
     stream = stub.Generate(lm_request(c), timeout=60)
     first = next(stream)
     assert list(first.missing_mm_hashes) == list(c.embeddings)  # the proxy would re-encode
@@ -125,10 +114,10 @@ def test_missing_embedding_is_reported_waited_for_and_completes(lm, ref):
     assert tokens == c.expected
 
 
-def test_a_miss_fails_only_its_own_request(lm, ref):
+def test_a_miss_fails_only_its_own_request(lm, tiny_ref):
     stub, _, _ = lm
-    never = case(ref, "never-1", "Nobody publishes this", [png(56, 56, (1, 2, 3))])
-    fine = case(ref, "fine-1", "Meanwhile, plain text", max_tokens=40)
+    never = case(tiny_ref, "never-1", "Nobody publishes this", [png(56, 56, (1, 2, 3))])
+    fine = case(tiny_ref, "fine-1", "Meanwhile, plain text", max_tokens=40)
     results = {}
 
     def call(c):
@@ -158,9 +147,9 @@ def test_a_miss_fails_only_its_own_request(lm, ref):
         (lambda m: setattr(m.sampling, "top_p", 1.5), "top_p must be in (0, 1]"),
     ],
 )
-def test_bad_input_is_invalid_argument(lm, ref, change, words):
+def test_bad_input_is_invalid_argument(lm, tiny_ref, change, words):
     stub, _, _ = lm
-    msg = lm_request(case(ref, "bad", "Hello"))
+    msg = lm_request(case(tiny_ref, "bad", "Hello"))
     change(msg)
     with pytest.raises(grpc.RpcError) as info:
         collect(stub.Generate(msg, timeout=30))
@@ -168,9 +157,9 @@ def test_bad_input_is_invalid_argument(lm, ref, change, words):
     assert words in info.value.details()
 
 
-def test_abort_and_client_cancel_free_the_request(lm, ref):
+def test_abort_and_client_cancel_free_the_request(lm, tiny_ref):
     stub, _, _ = lm
-    c = case(ref, "long-1", "Go on and on")
+    c = case(tiny_ref, "long-1", "Go on and on")
     stream = stub.Generate(lm_request(c, max_tokens=5000), timeout=60)
     next(stream)
     assert stub.Abort(epd_pb2.AbortRequest(request_id="long-1")).aborted
@@ -190,9 +179,9 @@ def test_abort_and_client_cancel_free_the_request(lm, ref):
     assert load.kv_blocks_total > 0 and load.worker_id == "lm"
 
 
-def test_metrics_are_served_over_http(lm, ref):
+def test_metrics_are_served_over_http(lm, tiny_ref):
     stub, _, role = lm
-    collect(stub.Generate(lm_request(case(ref, "metrics-1", "Count me")), timeout=60))
+    collect(stub.Generate(lm_request(case(tiny_ref, "metrics-1", "Count me")), timeout=60))
     url = f"http://127.0.0.1:{role.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
@@ -201,10 +190,10 @@ def test_metrics_are_served_over_http(lm, ref):
     assert "epd_ec_lookups_total" in text  # the connector's, in the same process
 
 
-def test_sigterm_finishes_requests_in_flight_then_exits(lm, ref):
+def test_sigterm_finishes_requests_in_flight_then_exits(lm, tiny_ref):
     # Last in the module: it ends the shared worker.
     stub, _, role = lm
-    c = case(ref, "drain-1", "Finish what you started", max_tokens=40)
+    c = case(tiny_ref, "drain-1", "Finish what you started", max_tokens=40)
     stream = stub.Generate(lm_request(c), timeout=60)
     first = next(stream)
     role.child.signal(15)

@@ -20,7 +20,7 @@ from epd.served_model import resolve_model
 from models import ImageItem, ReferenceModel
 from proto import epd_pb2, epd_pb2_grpc
 from proxy.prepare import mm_hash
-from tests.cluster_helpers import Cluster, image_bytes
+from tests.cluster_helpers import Cluster, http_json, image_bytes
 from tests.helpers import RoleProcess
 
 MAX_TOKENS = 16
@@ -277,8 +277,10 @@ def test_a_full_proxy_sheds_load_and_deadlines_reach_the_lm(cluster, tmp_path):
                     list(stub.Generate(epd_pb2.GenerateRequest(text="Me too"), timeout=30))
                 assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert "max_pending_requests" in info.value.details()
-                status, body = cluster_http(
-                    http_port, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+                status, body = http_json(
+                    http_port,
+                    "/v1/chat/completions",
+                    {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
                 )
                 assert status == 429 and body["error"]["type"] == "RateLimitError"
             finally:
@@ -308,37 +310,13 @@ def test_a_full_proxy_sheds_load_and_deadlines_reach_the_lm(cluster, tmp_path):
 
 def wait_until_lm_is_seen(http_port: int) -> None:
     """Until the proxy's health watch has seen its LM worker SERVING (before a test stops it)."""
-    import json
-    import urllib.error
-    import urllib.request
-
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5) as r:
-                if json.loads(r.read())["roles"]["lm"]["status"] == "healthy":
-                    return
-        except urllib.error.HTTPError:
-            pass
+        status, health = http_json(http_port, "/health")
+        if status == 200 and health["roles"]["lm"]["status"] == "healthy":
+            return
         time.sleep(0.05)
     raise AssertionError("the proxy never saw its LM worker SERVING")
-
-
-def cluster_http(port: int, body: dict) -> tuple[int, dict]:
-    import json
-    import urllib.error
-    import urllib.request
-
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_an_encoder_killed_under_load_fails_no_request(cluster):
