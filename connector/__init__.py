@@ -6,7 +6,6 @@ from connector.ec import (
     ConnectorError,
     ECConnector,
     PutResult,
-    connector_options,
 )
 from connector.embedded import EmbeddedRedis, EmbeddedServerError
 
@@ -18,7 +17,6 @@ __all__ = [
     "EmbeddedServerError",
     "PutResult",
     "RedisUnavailable",
-    "connector_options",
     "redact_url",
     "wait_until_reachable",
 ]

@@ -39,7 +39,6 @@ from connector import wire
 from connector.client import async_client, redact_url, sync_client
 from connector.local_tier import LocalTier
 from connector.metrics import ConnectorMetrics
-from epd.config import ConnectorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,20 +55,6 @@ class PutResult:
     mm_hash: str
     stored: bool  # False: the cache already held this hash; nothing was written
     nbytes: int
-
-
-def connector_options(config: ConnectorConfig, local_tier: bool = False) -> dict:
-    """Constructor keywords for either flavour from the cluster config's `connector` section.
-    Only consumers (LM workers) keep a local tier."""
-    assert config.url is not None, "ClusterConfig.check_role refuses a missing connector.url"
-    return {
-        "url": config.url,
-        "namespace": config.namespace,
-        "ttl_seconds": config.ttl_seconds,
-        "local_tier_bytes": config.local_cache_bytes if local_tier else 0,
-        "op_timeout": config.op_timeout_seconds,
-        "retries": config.retries,
-    }
 
 
 class ECConnector:

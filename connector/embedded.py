@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from epd.process import Child, free_port
+from common.process import Child, free_port
 
 logger = logging.getLogger(__name__)
 

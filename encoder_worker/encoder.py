@@ -31,12 +31,11 @@ from typing import Literal
 
 import torch
 
+from common.config import EncoderConfig
 from connector import AsyncECConnector, ConnectorError
 from encoder_worker.metrics import EncoderMetrics
 from encoder_worker.tower import Tower
-from epd.config import EncoderConfig
-from epd.media import MediaInput
-from models import MediaError, ProcessedMedia
+from models import MediaError, MediaInput, ProcessedMedia
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Per Encode call: convert the request (protobuf stops here; an item that cannot b
 alone) -> `execute_mm_encoder` -> one EncodeResult per item, in request order. The call itself
 fails only when the worker cannot serve (loading, draining).
 
-Life cycle (epd/server.py): NOT_SERVING until the tower has loaded and run a warm-up encode;
+Life cycle (common/server.py): NOT_SERVING until the tower has loaded and run a warm-up encode;
 SERVING; on SIGTERM new calls get UNAVAILABLE while every accepted item is still encoded and
 published, then the process exits 0.
 """
@@ -18,13 +18,14 @@ import grpc
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from connector import AsyncECConnector, connector_options, wait_until_reachable
+from common.config import ClusterConfig
+from common.media import media_from_proto
+from common.server import RoleServer, Service, run_worker, unimplemented
+from connector import AsyncECConnector, wait_until_reachable
+from connector.registry import Heartbeat
 from encoder_worker.encoder import EncodeItem, ItemResult, MMEncoder
 from encoder_worker.metrics import EncoderMetrics
 from encoder_worker.tower import Tower, load_tower
-from epd.config import ClusterConfig
-from epd.media import media_from_proto
-from epd.server import RoleServer, Service, run_worker, unimplemented
 from models import MediaError
 from proto import epd_pb2, epd_pb2_grpc
 
@@ -92,7 +93,9 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         await wait_until_reachable(c.connector.url, c.connector.startup_wait_seconds)
         self.tower, served = await asyncio.to_thread(load_tower, c)
         self.connector = AsyncECConnector(
-            fingerprint=served.fingerprint, registry=self.registry, **connector_options(c.connector)
+            fingerprint=served.fingerprint,
+            registry=self.registry,
+            **c.connector.connector_options(),
         )
         encoder = MMEncoder(self.tower, self.connector, c.encoder, EncoderMetrics(self.registry))
         encoder.start()
@@ -152,7 +155,9 @@ async def serve(config: ClusterConfig, name: str) -> int:
         epd_pb2_grpc.add_EncoderServicer_to_server,
     )
     server = servicer.role = RoleServer(name, config.encoder.listen, [service])
-    return await run_worker(config, "encoder", server, servicer.load, servicer.close)
+    options = config.heartbeat_options("encoder")
+    heartbeat = Heartbeat(**options) if options else None
+    return await run_worker(config.encoder, server, servicer.load, servicer.close, heartbeat)
 
 
 def main(config: ClusterConfig, name: str) -> int:

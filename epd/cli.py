@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from epd.config import ENV_REGISTRY, ClusterConfig, ConfigError, config_to_dict, load_config
+from common.config import ENV_REGISTRY, ClusterConfig, ConfigError, config_to_dict, load_config
 
 ROLE_MAINS: dict[str, str] = {
     "proxy": "proxy.server",
@@ -31,8 +31,8 @@ def _config_from_args(args: argparse.Namespace, overrides: dict[str, Any]) -> Cl
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from common.log import setup_logging
     from epd.launcher import LaunchError, LocalCluster, run_cluster
-    from epd.log import setup_logging
 
     config = _config_from_args(
         args,
@@ -60,7 +60,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _role_command(role: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        from epd.log import setup_logging
+        from common.log import setup_logging
 
         section = {"encoder": "encoder", "lm": "lm"}.get(role)
         overrides = {f"{section}.listen": args.listen} if section else {}
@@ -94,7 +94,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_health(args: argparse.Namespace) -> int:
     import grpc
 
-    from epd.health import health_status
+    from common.health import health_status
 
     try:
         status = health_status(args.address, args.service, args.timeout)
@@ -107,7 +107,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 def cmd_make_model(args: argparse.Namespace) -> int:
     import time
 
-    from models import make_checkpoint
+    from models.testing import make_checkpoint
 
     start = time.monotonic()
     try:
@@ -120,7 +120,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_MODULES = ("connector.bench", "encoder_worker.bench", "lm_worker.bench", "proxy.bench")
+BENCH_MODULES = ("epd.bench.connector", "epd.bench.encoder", "epd.bench.lm", "epd.bench.proxy")
 
 
 def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from epd.server import GRPC_OPTIONS
+from common.server import GRPC_OPTIONS
 from proto import epd_pb2, epd_pb2_grpc
 
 

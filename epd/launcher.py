@@ -6,7 +6,7 @@ Each role is started with the same generated cluster file and its own --listen a
 launcher waits until each reports SERVING over grpc.health.v1, prints the endpoints, and on
 Ctrl-C / SIGTERM stops them in reverse order (proxy first, so nothing new arrives while the
 workers drain). A role that dies stops the cluster, loudly. Children die with the launcher even
-if it is killed (see epd.process).
+if it is killed (see common.process).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.config import ClusterConfig, dump_config
+from common.health import health_status
+from common.process import Child, epd_command, free_port, port_is_free
+from common.served_model import resolve_model
 from connector import EmbeddedRedis, EmbeddedServerError, redact_url
-from epd.config import ClusterConfig, dump_config
-from epd.health import health_status
-from epd.process import Child, epd_command, free_port, port_is_free
-from epd.served_model import resolve_model
 
 logger = logging.getLogger(__name__)
 

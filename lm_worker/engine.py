@@ -3,9 +3,10 @@
     schedule -> prepare inputs -> gather multimodal embeddings -> forward -> sample
              -> postprocess -> stream out
 
-Requests arrive from the gRPC servicer (another thread, asyncio) with their embeddings already
-fetched; everything that touches engine state runs on the engine thread, fed through an inbox.
-Outputs go back through the `emit` callback, once per step.
+Requests arrive from the gRPC servicer (another thread, asyncio), checked once by `validate`,
+with their embeddings already fetched (`load_embedding`); everything that touches engine state
+runs on the engine thread, fed through an inbox. Outputs go back through the `emit` callback,
+once per step.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry
 
-from lm_worker.cpu_gemv import pack_linear_layers
-from lm_worker.mm import RealtimeStream
+from lm_worker.metrics import EngineMetrics
 from lm_worker.model_runner import InputBatch, ModelRunner
-from lm_worker.request import Request, Status
-from lm_worker.sampler import SampledToken, Sampler, new_generator
+from lm_worker.request import Request
+from lm_worker.sampler import SampledToken, Sampler
 from lm_worker.scheduler import ScheduledBatch, Scheduler
 from models import IncrementalDetokenizer, Tokenizer
+from models.sampling import new_generator
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,11 @@ class RequestOutput:
 
 
 Sink = Callable[[RequestOutput], None]
+Emit = Callable[[list[tuple[Sink, RequestOutput]]], None]
+
+
+class BadRequest(ValueError):
+    """A request this engine cannot run as sent (INVALID_ARGUMENT); the message says why."""
 
 
 class _Live:
@@ -64,46 +70,6 @@ class _Live:
         self.last_token_time: float | None = None
 
 
-class EngineMetrics:
-    def __init__(self, registry: CollectorRegistry | None = REGISTRY):
-        kw = {"registry": registry}
-        self.ttft = Histogram(
-            "epd_lm_time_to_first_token_seconds",
-            "LM worker: arrival to first token",
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            **kw,
-        )
-        self.itl = Histogram(
-            "epd_lm_inter_token_latency_seconds",
-            "LM worker: time between tokens",
-            buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
-            **kw,
-        )
-        self.batch_size = Histogram(
-            "epd_lm_batch_size",
-            "Requests per step",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-            **kw,
-        )
-        self.batch_tokens = Histogram(
-            "epd_lm_batch_tokens",
-            "Tokens per step",
-            buckets=(1, 8, 32, 128, 512, 1024, 2048, 4096, 8192),
-            **kw,
-        )
-        self.kv_blocks_used = Gauge("epd_lm_kv_blocks_used", "KV cache blocks in use", **kw)
-        self.preemptions = Counter("epd_lm_preemptions_total", "Requests preempted", **kw)
-        self.requests = Counter(
-            "epd_lm_requests_total", "Finished requests by reason", ["finish_reason"], **kw
-        )
-        self.tokens = Counter("epd_lm_generated_tokens_total", "Tokens generated", **kw)
-        self.embedding_misses = Counter(
-            "epd_lm_embedding_misses_total",
-            "Embeddings a request needed that the cache did not hold",
-            **kw,
-        )
-
-
 class LMEngine:
     def __init__(
         self,
@@ -111,16 +77,18 @@ class LMEngine:
         scheduler: Scheduler,
         tokenizer: Tokenizer | None,
         eos_token_ids: tuple[int, ...],
+        vocab_size: int,
         max_model_len: int,
-        emit: Callable[[list[tuple[Sink, RequestOutput]]], None] | None = None,
+        emit: Emit | None = None,
         registry: CollectorRegistry | None = REGISTRY,
     ):
         self.runner = runner
         self.scheduler = scheduler
-        self.scheduler.is_ready = self.is_ready
+        self.scheduler.is_ready = runner.is_ready
         self.sampler = Sampler()
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.emit = emit or deliver
         self.metrics = EngineMetrics(registry)
@@ -134,6 +102,32 @@ class LMEngine:
         self._steps = _Rate()  # requests per step (GetLoad's batch_size)
 
     # -- the thread-safe surface (called from the servicer's thread) -------------------------
+
+    def validate(self, request: Request) -> None:
+        """BadRequest if the request can never run here: too long for the context or the KV
+        cache, or a token id outside the vocabulary."""
+        ids = request.prompt_token_ids
+        if not ids:
+            raise BadRequest("prompt_token_ids is empty")
+        if len(ids) >= self.max_model_len:
+            raise BadRequest(
+                f"the prompt has {len(ids)} tokens; this worker's context is {self.max_model_len}"
+            )
+        vocab_size = self.vocab_size
+        if max(ids) >= vocab_size or min(ids) < 0:
+            bad = max(ids) if max(ids) >= vocab_size else min(ids)
+            raise BadRequest(f"token id {bad} is outside the vocabulary ({vocab_size})")
+        blocks = self.scheduler.blocks
+        need = blocks.blocks_needed(request.num_prompt_tokens + 1)
+        if need > blocks.num_usable:
+            raise BadRequest(
+                f"the prompt needs {need} KV blocks; this worker has {blocks.num_usable}"
+            )
+
+    def load_embedding(self, mm_hash: str, tensor: torch.Tensor, num_embeds: int) -> torch.Tensor:
+        """A fetched embedding made ready for this engine (device, dtype, the family's check);
+        models.EmbeddingMismatch when it cannot fill its placeholders."""
+        return self.runner.load_embedding(mm_hash, tensor, num_embeds)
 
     def add_request(
         self, request: Request, sink: Sink, embeddings: dict[str, torch.Tensor] | None = None
@@ -284,9 +278,8 @@ class LMEngine:
             return "stop"
         if token_id in p.stop_token_ids:
             return "stop"
-        if (
-            len(request.output_token_ids) >= p.max_tokens
-            or request.num_tokens >= self.max_model_len
+        if request.num_tokens >= self.max_model_len or (
+            p.max_tokens is not None and len(request.output_token_ids) >= p.max_tokens
         ):
             return "length"
         return None
@@ -314,52 +307,24 @@ class LMEngine:
     # -- state changes (engine thread) --------------------------------------------------------
 
     def _add(self, request: Request, sink: Sink, embeddings: dict[str, torch.Tensor]) -> None:
-        need = self.scheduler.blocks.blocks_needed(request.num_prompt_tokens + 1)
-        if need > self.scheduler.blocks.num_usable:
-            self._reject(
-                request,
-                sink,
-                f"the prompt needs {need} KV blocks; this worker has "
-                f"{self.scheduler.blocks.num_usable}",
-            )
-            return
         detokenizer = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         self.live[request.request_id] = _Live(request, sink, detokenizer)
         if request.sampling.seed is not None or not request.sampling.greedy:
             request.generator = new_generator(request.sampling.seed)
-        self.runner.model_state.init_request(request)
-        self.runner.mm.add_request(request.request_id, request.mm_features)
-        for mm_hash, embeds in embeddings.items():
-            self.runner.mm.put(mm_hash, embeds)
-        if request.realtime_session is not None:
-            self._stream(request.realtime_session)  # its rows arrive as the audio does
-        missing = self.runner.mm.missing(request.request_id)
-        missing = [h for h in missing if h != request.realtime_session]
+        missing = self.runner.add_request(request, embeddings)
         if missing:
             self.metrics.embedding_misses.inc(len(missing))
             self._finish(request, "error", error=f"embeddings not provided: {missing}")
             return
         self.scheduler.add(request)
 
-    def _reject(self, request: Request, sink: Sink, error: str) -> None:
-        out = RequestOutput(request.request_id, finish_reason="error", error=error)
-        self.emit([(sink, out)])
-
     def _abort(self, request_id: str) -> None:
         live = self.live.get(request_id)
         if live is not None:
             self._finish(live.request, "abort")
 
-    def _stream(self, session_id: str) -> RealtimeStream:
-        stream = self.runner.realtime.get(session_id)
-        if stream is None:
-            stream = self.runner.realtime[session_id] = RealtimeStream(
-                self.runner.model_state.hidden_size, self.runner.dtype, self.runner.device
-            )
-        return stream
-
     def _append_realtime(self, session_id: str, rows: torch.Tensor, closed: bool) -> None:
-        stream = self._stream(session_id)
+        stream = self.runner.realtime_stream(session_id)
         if rows.numel():
             stream.append(rows)
         stream.closed = stream.closed or closed
@@ -368,22 +333,9 @@ class LMEngine:
             if (
                 request.realtime_session == session_id
                 and stream.closed
-                and not self.is_ready(request)
+                and not self.runner.is_ready(request)
             ):
                 self._finish(request, "stop")
-
-    def is_ready(self, request: Request) -> bool:
-        """Realtime: the embeddings up to the request's next token have arrived."""
-        if request.realtime_session is None:
-            return True
-        stream = self.runner.realtime.get(request.realtime_session)
-        if stream is None:
-            return False
-        for f in request.mm_features:
-            if f.mm_hash == request.realtime_session:
-                needed = min(max(request.num_tokens - f.offset, 0), f.length)
-                return stream.count >= needed
-        return True
 
     def _finish(
         self,
@@ -395,7 +347,7 @@ class LMEngine:
     ) -> None:
         """End a request: free its blocks and embeddings, complete its last output."""
         self.scheduler.finish(request, reason)
-        self.runner.mm.remove_request(request.request_id)
+        self.runner.remove_request(request.request_id)
         live = self.live.pop(request.request_id, None)
         self.metrics.requests.labels(reason).inc()
         if live is None:
@@ -457,105 +409,4 @@ class _Rate:
         return sum(recent) / len(recent) if recent else 0.0
 
 
-__all__ = ["LMEngine", "RequestOutput", "Status"]
-
-
-# Under CUDA graphs the decode attention reads max_model_len keys per sequence (static shapes):
-# without an explicit lm.max_model_len the context is capped here.
-DEFAULT_MAX_MODEL_LEN = 8192
-CPU_KV_CACHE_BYTES = 1 << 30
-
-
-def resolve_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("lm.device is cuda but torch finds no CUDA device: set lm.device: auto")
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
-
-
-def build_engine(
-    config,
-    model_dir: str,
-    dtype: torch.dtype,
-    emit=None,
-    registry: CollectorRegistry | None = REGISTRY,
-    model_cls: type | None = None,
-    pad_decodes: bool = False,
-) -> LMEngine:
-    """Load the checkpoint's LM (never its vision tower), size the KV cache, capture graphs.
-    `model_cls` and `pad_decodes` are for tests (a synthetic realtime model; graph-shaped
-    inputs run eagerly)."""
-    from lm_worker.attention import PagedAttention
-    from lm_worker.block_manager import BlockManager
-    from lm_worker.model_state import ModelState, RopeSpec
-    from models import Qwen2LanguageModel, load_arch_config
-
-    lm = config.lm
-    device = resolve_device(lm.device)
-    use_graphs = lm.cuda_graphs == "on" or (lm.cuda_graphs == "auto" and device.type == "cuda")
-    if use_graphs and device.type != "cuda":
-        raise RuntimeError("lm.cuda_graphs is on but the LM runs on the CPU: set it to auto or off")
-    arch = load_arch_config(model_dir)
-    text = arch.text
-    max_model_len = lm.max_model_len or min(text.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    if max_model_len > text.max_position_embeddings:
-        raise RuntimeError(
-            f"lm.max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-            f"{text.max_position_embeddings}"
-        )
-    attention = PagedAttention(lm.block_size, text.head_dim)
-    model_cls = model_cls or Qwen2LanguageModel
-    model = model_cls.from_checkpoint(model_dir, attention, dtype, device)
-    if device.type == "cpu":
-        pack_linear_layers(model)
-    per_block = PagedAttention.bytes_per_block(
-        text.num_layers, lm.block_size, text.num_kv_heads, text.head_dim, dtype
-    )
-    budget = int(lm.kv_cache_bytes)
-    if budget == 0:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * 0.9)
-        else:
-            budget = CPU_KV_CACHE_BYTES
-    num_blocks = budget // per_block
-    if num_blocks < 2:
-        raise RuntimeError(f"lm.kv_cache_bytes {budget} holds no KV block ({per_block} bytes each)")
-    logger.info(
-        "LM on %s (%s): %d KV blocks of %d tokens (%.2f GiB), context %d, CUDA graphs %s",
-        device,
-        dtype,
-        num_blocks,
-        lm.block_size,
-        num_blocks * per_block / 2**30,
-        max_model_len,
-        "on" if use_graphs else "off",
-    )
-    runner = ModelRunner(
-        model,
-        attention,
-        ModelState,
-        RopeSpec(arch.vision.spatial_merge_size, arch.vision.tokens_per_second),
-        num_blocks=num_blocks,
-        block_size=lm.block_size,
-        max_num_seqs=lm.max_num_seqs,
-        max_num_batched_tokens=lm.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        device=device,
-        dtype=dtype,
-        use_graphs=use_graphs,
-        max_graph_batch_size=lm.max_graph_batch_size,
-        pad_decodes=pad_decodes,
-    )
-    blocks = BlockManager(num_blocks, lm.block_size, lm.enable_prefix_caching)
-    scheduler = Scheduler(blocks, lm.max_num_seqs, lm.max_num_batched_tokens)
-    return LMEngine(
-        runner,
-        scheduler,
-        Tokenizer.from_dir(model_dir),
-        arch.tokens.eos_token_ids,
-        max_model_len,
-        emit=emit,
-        registry=registry,
-    )
+__all__ = ["BadRequest", "Emit", "LMEngine", "RequestOutput", "Sink"]

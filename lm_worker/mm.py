@@ -1,7 +1,7 @@
 """Multimodal embeddings on the LM side: the store of fetched embeddings, and the per-step
 gather that picks the slices falling inside each request's token window.
 
-The gather follows vLLM's EncoderRunner.gather_mm_embeddings (seeds 000 and 004):
+The gather follows vLLM's EncoderRunner.gather_mm_embeddings (model runner V2):
 - each request's window this step is [num_computed_tokens, + num_scheduled_tokens), shifted by
   `draft_lookahead`; an item contributes the embedding rows of its placeholder tokens inside
   that window, mapped through its `is_embed` mask (placeholders may hold non-embedding tokens);
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from lm_worker.request import MMFeature
+from models import MMFeature
 
 
 class RealtimeStream:

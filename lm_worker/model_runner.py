@@ -1,21 +1,27 @@
-"""The model runner: persistent input buffers, per-step inputs, the multimodal gather, and the
+"""The model runner: per-request model state, per-step inputs, the multimodal gather, and the
 forward pass (eager, or a CUDA graph for decode batches).
 
-Buffers are allocated once (vLLM's InputBuffers); each step fills a prefix of them and builds
+This file must only contain code common to every model. What differs between families goes
+through the family's `ModelState` (models/family.py): the position scheme, the check (and, for
+pruning models, reshape) of fetched embeddings, what capture feeds the model.
+
+Buffers are allocated once (lm_worker/buffers.py); each step fills a prefix of them and builds
 an `InputBatch` that says how much is real. The model always starts from `inputs_embeds`: token
 embeddings (plus media or realtime embeddings) are computed eagerly outside the graph and copied
-into the static buffer, so graphs never depend on an encoder and `input_ids` is passed as None
-(seed 004) unless the model declares `requires_raw_input_tokens`.
+into the static buffer, so graphs never depend on an encoder, and `input_ids` is passed as None
+unless the model declares `requires_raw_input_tokens`.
 
 Decode-only batches are padded to the next captured size when graphs are on; the padded request
-count is what the attention metadata uses (seed 004), and padded slots write to the null block.
-With graphs off (the CPU) the same buffers and the same code run eagerly without padding.
+count is what the attention metadata uses (metadata built for the real count would not match
+the captured shapes), and padded slots write to the null block. With graphs off (the CPU) the
+same buffers and the same code run eagerly without padding.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,18 +29,15 @@ import torch
 
 from lm_worker.attention import PagedAttention, PagedAttentionMetadata
 from lm_worker.block_manager import NULL_BLOCK
+from lm_worker.buffers import InputBuffers
+from lm_worker.cuda_graph import CudaGraphRunner, graph_sizes
 from lm_worker.mm import MMEmbeddings, RealtimeStream
-from lm_worker.model_state import ModelState
 from lm_worker.request import Request
 from lm_worker.scheduler import ScheduledBatch
+from models import ModelState
+from models.family import LanguageModel
 
 logger = logging.getLogger(__name__)
-
-
-def graph_sizes(max_size: int) -> list[int]:
-    """Captured decode batch sizes: [1, 2, 4, 8] + range(16, max + 1, 16)."""
-    sizes = [s for s in (1, 2, 4, 8) if s <= max_size]
-    return sizes + list(range(16, max_size + 1, 16))
 
 
 @dataclass
@@ -57,12 +60,10 @@ class InputBatch:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
-        attention: PagedAttention,
-        model_state_cls: type[ModelState],
-        rope,
+        model: LanguageModel,
+        attention: PagedAttention,  # its KV cache allocated
+        make_model_state: Callable[[LanguageModel], ModelState],
         *,
-        num_blocks: int,
         block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -85,48 +86,77 @@ class ModelRunner:
         self.pad_decodes = use_graphs or pad_decodes
         sizes = graph_sizes(min(max_graph_batch_size, max_num_seqs))
         self.graph_sizes = sizes if self.pad_decodes else []
-        self.requires_raw_input_tokens = getattr(model, "requires_raw_input_tokens", False)
-        self.is_realtime = getattr(model, "supports_realtime", False)
-        self.init_buffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs)
-        self.model_state = model_state_cls(model, rope, self.inputs_embeds)
+        # Capabilities, read once.
+        self.requires_raw_input_tokens = model.requires_raw_input_tokens
+        self.is_realtime = model.supports_realtime
+        self.model_state = make_model_state(model)
+        self.buffers = InputBuffers(
+            max(max_num_batched_tokens, max_num_seqs),
+            max_num_seqs,
+            self.max_blocks_per_seq,
+            self.model_state.hidden_size,
+            self.model_state.position_axes,
+            block_size,
+            dtype,
+            device,
+        )
+        self.model_state.inputs_embeds = self.buffers.inputs_embeds
         self.mm = MMEmbeddings(self.is_realtime)
-        self.realtime: dict[str, RealtimeStream] = {}
-        self.init_kv_cache(num_blocks)
-        self.graphs = None
+        self.realtime: dict[str, RealtimeStream] = {}  # session id -> its embeddings so far
+        self.graphs: CudaGraphRunner | None = None
         if use_graphs:
-            from lm_worker.cuda_graph import CudaGraphRunner
-
-            self.graphs = CudaGraphRunner(self)
+            assert device.type == "cuda", "CUDA graphs need a CUDA device"
+            self.graphs = CudaGraphRunner(self.buffers, self.dummy_run, self.graph_sizes)
             self.graphs.capture()
 
-    # -- set-up -------------------------------------------------------------------------------
+    # -- requests -----------------------------------------------------------------------------
 
-    def init_buffers(self, max_tokens: int, max_num_seqs: int) -> None:
-        config = self.model.config
-        dev = self.device
-        self.max_tokens = max_tokens
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(3, max_tokens, dtype=torch.long, device=dev)
-        self.inputs_embeds = torch.zeros(
-            max_tokens, config.hidden_size, dtype=self.dtype, device=dev
-        )
-        self.slot_mapping = torch.zeros(max_tokens, dtype=torch.long, device=dev)
-        self.decode_block_tables = torch.zeros(
-            max_num_seqs, self.max_blocks_per_seq, dtype=torch.long, device=dev
-        )
-        self.decode_seq_lens = torch.ones(max_num_seqs, dtype=torch.long, device=dev)
-        # Host-side twins, filled with numpy each step, copied over in one go.
-        self.host_block_tables = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int64)
+    def add_request(self, request: Request, embeddings: dict[str, torch.Tensor]) -> list[str]:
+        """Take a new request's model state and embeddings (by mm_hash, already processed by
+        `load_embedding`). Returns the mm_hashes it still lacks (its realtime session's rows
+        excluded: they arrive as the audio does)."""
+        request.rope = self.model_state.rope_state(request.num_prompt_tokens, request.mm_features)
+        self.mm.add_request(request.request_id, request.mm_features)
+        for mm_hash, embeds in embeddings.items():
+            self.mm.put(mm_hash, embeds)
+        if request.realtime_session is not None:
+            self.realtime_stream(request.realtime_session)
+        return [h for h in self.mm.missing(request.request_id) if h != request.realtime_session]
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        c = self.model.config
-        self.attention.allocate(
-            c.num_layers, num_blocks, c.num_kv_heads, c.head_dim, self.dtype, self.device
-        )
+    def remove_request(self, request_id: str) -> None:
+        self.mm.remove_request(request_id)
+
+    def load_embedding(self, mm_hash: str, tensor: torch.Tensor, num_embeds: int) -> torch.Tensor:
+        """A fetched embedding on this runner's device and dtype, checked by the model state
+        (EmbeddingMismatch when it cannot fill its placeholders). Thread-safe."""
+        embeds = tensor.to(self.device, self.dtype)
+        return self.model_state.process_mm_embeds(mm_hash, embeds, num_embeds)
+
+    def realtime_stream(self, session_id: str) -> RealtimeStream:
+        stream = self.realtime.get(session_id)
+        if stream is None:
+            stream = self.realtime[session_id] = RealtimeStream(
+                self.model_state.hidden_size, self.dtype, self.device
+            )
+        return stream
+
+    def is_ready(self, request: Request) -> bool:
+        """Realtime: the embeddings up to the request's next token have arrived."""
+        if request.realtime_session is None:
+            return True
+        stream = self.realtime.get(request.realtime_session)
+        if stream is None:
+            return False
+        for f in request.mm_features:
+            if f.mm_hash == request.realtime_session:
+                needed = min(max(request.num_tokens - f.offset, 0), f.length)
+                return stream.count >= needed
+        return True
 
     # -- per step -----------------------------------------------------------------------------
 
     def prepare_inputs(self, batch: ScheduledBatch) -> InputBatch:
+        b = self.buffers
         requests = batch.requests
         num_reqs = len(requests)
         counts = np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
@@ -137,14 +167,17 @@ class ModelRunner:
         prefill_lens = np.asarray([r.num_prompt_tokens for r in requests], dtype=np.int64)
 
         ids = np.empty(num_tokens, dtype=np.int64)
-        positions = np.empty((3, num_tokens), dtype=np.int64)
+        positions = np.empty((b.positions.shape[0], num_tokens), dtype=np.int64)
         slots = np.empty(num_tokens, dtype=np.int64)
         logits_indices, sampling = [], []
+        state = self.model_state
         for i, request in enumerate(requests):
             start, n = int(computed[i]), int(counts[i])
             at = int(query_start_loc[i])
             ids[at : at + n] = self._token_window(request, start, n)
-            positions[:, at : at + n] = self.model_state.positions(request, start, start + n)
+            positions[:, at : at + n] = state.positions(
+                request.rope, request.num_prompt_tokens, start, start + n
+            )
             index = np.arange(start, start + n)
             blocks = np.asarray(request.block_ids, dtype=np.int64)
             slots[at : at + n] = blocks[index // self.block_size] * self.block_size + (
@@ -163,9 +196,9 @@ class ModelRunner:
             else num_tokens
         )
 
-        _fill(self.input_ids, ids, padded, 0)
-        _fill(self.positions.T, positions.T, padded, 0)
-        _fill(self.slot_mapping, slots, padded, NULL_BLOCK * self.block_size)
+        _fill(b.input_ids, ids, padded, 0)
+        _fill(b.positions.T, positions.T, padded, 0)
+        _fill(b.slot_mapping, slots, padded, NULL_BLOCK * self.block_size)
 
         # Decode block tables: full width when padded (graph shapes), else just wide enough.
         decode_rows = padded if pad else num_decodes
@@ -174,20 +207,20 @@ class ModelRunner:
             width = self.max_blocks_per_seq
         else:
             width = max(-(-int(seq_lens.max(initial=1)) // self.block_size), 1)
-        tables = self.host_block_tables[:decode_rows, :width]
+        tables = b.host_block_tables[:decode_rows, :width]
         tables.fill(NULL_BLOCK)
         for i in range(num_decodes):
             row = requests[i].block_ids
             tables[i, : len(row)] = row
-        _fill(self.decode_block_tables[:, :width], tables, decode_rows, NULL_BLOCK)
-        _fill(self.decode_seq_lens, seq_lens, decode_rows, 1)
+        _fill(b.decode_block_tables[:, :width], tables, decode_rows, NULL_BLOCK)
+        _fill(b.decode_seq_lens, seq_lens, decode_rows, 1)
 
         prefill = range(num_decodes, num_reqs)
         meta = PagedAttentionMetadata(
-            slot_mapping=self.slot_mapping[:padded],
+            slot_mapping=b.slot_mapping[:padded],
             num_decodes=decode_rows,
-            decode_block_tables=self.decode_block_tables[:decode_rows, :width],
-            decode_seq_lens=self.decode_seq_lens[:decode_rows],
+            decode_block_tables=b.decode_block_tables[:decode_rows, :width],
+            decode_seq_lens=b.decode_seq_lens[:decode_rows],
             prefill_query_lens=[int(counts[i]) for i in prefill],
             prefill_seq_lens=[int(computed[i] + counts[i]) for i in prefill],
             prefill_block_tables=[
@@ -224,20 +257,21 @@ class ModelRunner:
     def forward(
         self, inputs: InputBatch, mm_embeds: list[torch.Tensor], is_mm_embed: torch.Tensor
     ) -> torch.Tensor:  # [num_sampling, vocab]
+        b = self.buffers
         T, padded = inputs.num_tokens, inputs.num_tokens_padded
         embeds = self.model.embed_input_ids(
-            self.input_ids[:T],
+            b.input_ids[:T],
             [e.to(self.device, self.dtype) for e in mm_embeds] or None,
             is_mm_embed.to(self.device) if mm_embeds else None,
         )
-        self.inputs_embeds[:T].copy_(embeds)
+        b.inputs_embeds[:T].copy_(embeds)
         if inputs.use_graph:
             hidden = self.graphs.replay(padded)
         else:
             hidden = self.model(
-                self.input_ids[:padded] if self.requires_raw_input_tokens else None,
-                self.positions[:, :padded],
-                self.inputs_embeds[:padded],
+                b.input_ids[:padded] if self.requires_raw_input_tokens else None,
+                b.positions_view(padded),
+                b.inputs_embeds[:padded],
                 inputs.attn_metadata,
                 intermediate_tensors=None,
             )
@@ -246,26 +280,14 @@ class ModelRunner:
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int) -> torch.Tensor:
         """A forward pass over `num_tokens` decode slots of the null block, fed from
-        `dummy_inputs_embeds`: warm-up and graph capture never run an encoder (seed 000)."""
-        meta = self.static_decode_metadata(num_tokens)
+        `dummy_inputs_embeds`: warm-up and graph capture never run an encoder."""
+        b = self.buffers
         return self.model(
-            self.input_ids[:num_tokens] if self.requires_raw_input_tokens else None,
-            self.positions[:, :num_tokens],
+            b.input_ids[:num_tokens] if self.requires_raw_input_tokens else None,
+            b.positions_view(num_tokens),
             self.model_state.dummy_inputs_embeds(num_tokens),
-            meta,
+            b.static_decode_metadata(num_tokens),
             intermediate_tensors=None,
-        )
-
-    def static_decode_metadata(self, num_decodes: int) -> PagedAttentionMetadata:
-        """Views of the persistent buffers, full width: what graphs capture and replay."""
-        return PagedAttentionMetadata(
-            slot_mapping=self.slot_mapping[:num_decodes],
-            num_decodes=num_decodes,
-            decode_block_tables=self.decode_block_tables[:num_decodes],
-            decode_seq_lens=self.decode_seq_lens[:num_decodes],
-            prefill_query_lens=[],
-            prefill_seq_lens=[],
-            prefill_block_tables=[],
         )
 
     # -- helpers ------------------------------------------------------------------------------

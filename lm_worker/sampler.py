@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from lm_worker.request import Request
+from models.sampling import new_generator, sample_row
 
 
 @dataclass
@@ -20,15 +21,6 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None  # (token id, logprob), most likely first
-
-
-def new_generator(seed: int | None) -> torch.Generator:
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
 
 
 class Sampler:
@@ -59,20 +51,6 @@ class Sampler:
         return out
 
     def _sample_one(self, row: torch.Tensor, request: Request) -> int:
-        p = request.sampling
-        # NOTE: on the CPU, where the request's generator lives, so seeds give the same tokens
-        # on every device.
-        row = row.cpu() / p.temperature
-        if p.top_k and p.top_k < row.shape[0]:
-            kth = row.topk(p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (always the most likely token).
-            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-            sorted_probs[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         if request.generator is None:
-            request.generator = new_generator(p.seed)
-        return int(torch.multinomial(probs, 1, generator=request.generator))
+            request.generator = new_generator(request.sampling.seed)
+        return sample_row(row, request.sampling, request.generator)

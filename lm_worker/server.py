@@ -17,22 +17,20 @@ import grpc
 import numpy as np
 import torch
 
-from connector import AsyncECConnector, ConnectorError, connector_options, wait_until_reachable
-from epd.config import ClusterConfig
-from epd.served_model import resolve_model
-from epd.server import RoleServer, Service, run_worker
-from lm_worker.engine import LMEngine, RequestOutput, build_engine, deliver
-from lm_worker.model_state import EmbeddingMismatch
-from lm_worker.request import MMFeature, Request, SamplingParams
+from common.config import ClusterConfig
+from common.media import MODALITY_NAMES
+from common.served_model import resolve_model
+from common.server import RoleServer, Service, run_worker
+from connector import AsyncECConnector, ConnectorError, wait_until_reachable
+from connector.registry import Heartbeat
+from lm_worker.engine import BadRequest, LMEngine, RequestOutput, deliver
+from lm_worker.loader import build_engine
+from lm_worker.request import Request
+from models import EmbeddingMismatch, MMFeature, SamplingParams
 from proto import epd_pb2, epd_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-MODALITIES = {
-    epd_pb2.MODALITY_IMAGE: "image",
-    epd_pb2.MODALITY_VIDEO: "video",
-    epd_pb2.MODALITY_AUDIO: "audio",
-}
 FINISH_REASONS = {
     "stop": epd_pb2.FINISH_REASON_STOP,
     "length": epd_pb2.FINISH_REASON_LENGTH,
@@ -40,21 +38,10 @@ FINISH_REASONS = {
 }
 
 
-class BadRequest(ValueError):
-    pass
-
-
-def to_request(msg: epd_pb2.LMGenerateRequest, vocab_size: int, max_model_len: int) -> Request:
-    """The engine's Request for a LMGenerateRequest; BadRequest says what is wrong."""
+def to_request(msg: epd_pb2.LMGenerateRequest) -> Request:
+    """The engine's Request for a LMGenerateRequest (protobuf stops here); BadRequest for what
+    the message itself gets wrong. What the engine cannot run is its `validate`'s to say."""
     ids = list(msg.prompt_token_ids)
-    if not ids:
-        raise BadRequest("prompt_token_ids is empty")
-    if len(ids) >= max_model_len:
-        raise BadRequest(
-            f"the prompt has {len(ids)} tokens; this worker's context is {max_model_len}"
-        )
-    if max(ids) >= vocab_size:
-        raise BadRequest(f"token id {max(ids)} is outside the vocabulary ({vocab_size})")
     features = []
     end = 0
     for f in msg.mm_features:
@@ -77,17 +64,16 @@ def to_request(msg: epd_pb2.LMGenerateRequest, vocab_size: int, max_model_len: i
                 offset=f.offset,
                 length=f.length,
                 is_embed=np.asarray(f.is_embed, dtype=bool) if f.is_embed else None,
-                modality=MODALITIES.get(f.modality, "image"),
+                modality=MODALITY_NAMES.get(f.modality, "image"),
                 grid_thw=grid,
                 second_per_grid_t=f.second_per_grid_t or None,
             )
         )
         end = f.offset + f.length
     s = msg.sampling
-    room = max_model_len - len(ids)
     try:
         sampling = SamplingParams(
-            max_tokens=min(s.max_tokens, room) if s.HasField("max_tokens") else room,
+            max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
             temperature=s.temperature if s.HasField("temperature") else 1.0,
             top_p=s.top_p if s.HasField("top_p") else 1.0,
             top_k=s.top_k,
@@ -145,7 +131,9 @@ class EmbeddingFetcher:
                 pending = [h for h in needed if h not in found]
                 fetched, misses = await self.connector.get_many(pending)
                 for h, tensor in fetched.items():
-                    found[h] = await asyncio.to_thread(self._to_device, h, tensor, needed[h])
+                    found[h] = await asyncio.to_thread(
+                        self.engine.load_embedding, h, tensor, needed[h]
+                    )
                 if not misses:
                     return found
                 new = [h for h in misses if h not in reported]
@@ -161,11 +149,6 @@ class EmbeddingFetcher:
                     )
         finally:
             self.waiting -= 1
-
-    def _to_device(self, mm_hash: str, tensor: torch.Tensor, num_embeds: int) -> torch.Tensor:
-        runner = self.engine.runner
-        embeds = tensor.to(runner.device, runner.dtype)
-        return runner.model_state.process_mm_embeds(mm_hash, embeds, num_embeds)
 
 
 class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
@@ -188,11 +171,10 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         def emit(items):
             loop.call_soon_threadsafe(deliver, items)
 
-        self.engine = await asyncio.to_thread(build_engine, c, str(served.path), served.dtype, emit)
-        await asyncio.to_thread(self.engine.runner.dummy_run, 1)
+        self.engine = await asyncio.to_thread(build_engine, c.lm, served.family, served.dtype, emit)
         self.engine.start()
         self.connector = AsyncECConnector(
-            fingerprint=served.fingerprint, **connector_options(c.connector, local_tier=True)
+            fingerprint=served.fingerprint, **c.connector.connector_options(local_tier=True)
         )
         self.fetcher = EmbeddingFetcher(self.connector, self.engine, c.lm.embedding_timeout_seconds)
 
@@ -212,15 +194,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                     "realtime audio encoder)",
                 )
             try:
-                req = to_request(
-                    request, engine.runner.model.config.vocab_size, engine.max_model_len
-                )
-                blocks = engine.scheduler.blocks
-                if blocks.blocks_needed(req.num_prompt_tokens + 1) > blocks.num_usable:
-                    raise BadRequest(
-                        f"the prompt needs {blocks.blocks_needed(req.num_prompt_tokens + 1)} KV "
-                        f"blocks; this worker has {blocks.num_usable}"
-                    )
+                req = to_request(request)
+                engine.validate(req)
             except BadRequest as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             if req.request_id in self.active:
@@ -310,7 +285,9 @@ async def serve(config: ClusterConfig, name: str) -> int:
         epd_pb2_grpc.add_LanguageModelServicer_to_server,
     )
     server = servicer.role = RoleServer(name, config.lm.listen, [service])
-    return await run_worker(config, "lm", server, servicer.load, servicer.close)
+    options = config.heartbeat_options("lm")
+    heartbeat = Heartbeat(**options) if options else None
+    return await run_worker(config.lm, server, servicer.load, servicer.close, heartbeat)
 
 
 def main(config: ClusterConfig, name: str) -> int:

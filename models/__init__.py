@@ -1,59 +1,46 @@
-"""Model code both worker roles import: checkpoints, preprocessing, towers and LMs.
+"""Model families in our own PyTorch, loading checkpoints in the Hugging Face layout.
 
-Families: Qwen2-VL and Qwen2.5-VL, loaded from checkpoints in the Hugging Face layout.
+The roles use only this surface: `load_family(path)` gives the checkpoint's family
+(models/family.py says what it offers), plus the media types every family shares.
 
-- proxy:   `Tokenizer`, `MediaProcessor.image_grid / video_grid` (headers only),
-           `expand_placeholders`, `model_fingerprint`, `MediaError`
-- encoder: `MediaProcessor.process_image / process_video`, `VisionTower.embed_multimodal`
-- LM:      `Qwen2LanguageModel` behind an `AttentionBackend`, `mrope_positions`
-- tests:   `ReferenceModel` (the whole path, end to end), `make_checkpoint`
+    registry.py    config.json architectures -> family (one line per family)
+    family.py      the interface: ModelFamily, ModelState, MediaProcessor, MediaEncoder
+    media.py       MediaInput, MediaGrid, ProcessedMedia, MMFeature, MediaError
+    qwen2_vl/      Qwen2-VL and Qwen2.5-VL
+    testing/       random checkpoints and the reference path (tests and benchmarks only)
 """
 
-from models.attention import AttentionBackend, ContiguousKVAttention
-from models.builtin import ensure_builtin_model
-from models.checkpoint import load_tensors, model_fingerprint
-from models.config import (
-    CheckpointError,
-    ModelArchConfig,
-    ProcessorConfig,
-    load_arch_config,
-    load_processor_configs,
+from models.checkpoint import CheckpointError
+from models.family import EmbeddingMismatch, ModelFamily, ModelState, TextDims
+from models.media import (
+    AudioClip,
+    MediaError,
+    MediaGrid,
+    MediaInput,
+    MMFeature,
+    Modality,
+    ProcessedMedia,
 )
-from models.make import make_checkpoint
-from models.processing import MediaError, MediaGrid, MediaProcessor, ProcessedMedia
-from models.qwen2 import Qwen2LanguageModel
-from models.reference import ImageItem, ReferenceModel, SamplingParams, VideoItem, generate
-from models.rope import MediaSpan, mrope_decode_positions, mrope_positions
+from models.registry import load_family
+from models.sampling import SamplingParams
 from models.tokenizer import IncrementalDetokenizer, Tokenizer, expand_placeholders
-from models.vision import VisionTower
 
 __all__ = [
-    "AttentionBackend",
+    "AudioClip",
     "CheckpointError",
-    "ContiguousKVAttention",
-    "ImageItem",
+    "EmbeddingMismatch",
     "IncrementalDetokenizer",
+    "MMFeature",
     "MediaError",
     "MediaGrid",
-    "MediaProcessor",
-    "MediaSpan",
-    "ModelArchConfig",
+    "MediaInput",
+    "Modality",
+    "ModelFamily",
+    "ModelState",
     "ProcessedMedia",
-    "ProcessorConfig",
-    "Qwen2LanguageModel",
-    "ReferenceModel",
     "SamplingParams",
+    "TextDims",
     "Tokenizer",
-    "VideoItem",
-    "VisionTower",
-    "ensure_builtin_model",
     "expand_placeholders",
-    "generate",
-    "load_arch_config",
-    "load_processor_configs",
-    "load_tensors",
-    "make_checkpoint",
-    "model_fingerprint",
-    "mrope_decode_positions",
-    "mrope_positions",
+    "load_family",
 ]

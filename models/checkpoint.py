@@ -1,13 +1,10 @@
-"""Safetensors checkpoints: find, read and cast only the tensors a role needs.
+"""Checkpoints in the Hugging Face layout, for every family: JSON files, and safetensors read
+tensor by tensor so that each role loads only its own part.
 
 A checkpoint holds one `model.safetensors` or shards listed by `model.safetensors.index.json`.
-Tensor names come in two spellings, both mapped to one local name per module:
-
-| role   | released checkpoints | transformers >= 5 modules | local name       |
-|--------|----------------------|---------------------------|------------------|
-| vision | `visual.X`           | `model.visual.X`          | `X`              |
-| lm     | `model.X`            | `model.language_model.X`  | `X`              |
-| lm     | `lm_head.weight`     | `lm_head.weight`          | `lm_head.weight` |
+A family says which tensors belong to a module with a `Selector`: checkpoint name -> the
+module's local name, or None (e.g. Qwen2-VL's tower takes `visual.X` and `model.visual.X` as
+`X`). Nothing here knows a family.
 """
 
 from __future__ import annotations
@@ -15,38 +12,65 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from models.config import CheckpointError, load_arch_config
-
-Role = Literal["vision", "lm"]
-
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-# Bump when our preprocessing or tower numerics change, so cached embeddings stop matching.
-EMBEDDING_CODE_VERSION = 1
-# Bytes read from the start of every vision tensor for the fingerprint (see model_fingerprint).
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+# Checkpoint tensor name -> the module's local name, or None when it is not the module's.
+Selector = Callable[[str], str | None]
+
+# Bytes read from the start of every encoder tensor for a fingerprint (weights_fingerprint).
 _FINGERPRINT_SAMPLE = 4096
 
 
-def local_name(name: str, role: Role) -> str | None:
-    """The module-local name of checkpoint tensor `name`, None if it is not `role`'s."""
-    if role == "vision":
-        for prefix in ("visual.", "model.visual."):
+class CheckpointError(ValueError):
+    """A checkpoint directory we cannot use; the message names the file and the key."""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not readable JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def parse_dtype(value: Any, path: Path) -> torch.dtype:
+    """config.json's `dtype` / `torch_dtype` (float32 when absent)."""
+    if value is None:
+        return torch.float32
+    if str(value).removeprefix("torch.") not in DTYPES:
+        raise CheckpointError(f"{path}: dtype {value!r}: supported are {sorted(DTYPES)}")
+    return DTYPES[str(value).removeprefix("torch.")]
+
+
+def strip_prefixes(*prefixes: str, exclude: tuple[str, ...] = ()) -> Selector:
+    """A Selector taking names under any of `prefixes` (tried in order, the prefix removed),
+    except names under `exclude`."""
+
+    def select(name: str) -> str | None:
+        if name.startswith(exclude):
+            return None
+        for prefix in prefixes:
             if name.startswith(prefix):
                 return name[len(prefix) :]
         return None
-    if name == "lm_head.weight":
-        return name
-    for prefix in ("model.language_model.", "model."):
-        if name.startswith(prefix) and not name.startswith("model.visual."):
-            return name[len(prefix) :]
-    return None
+
+    return select
 
 
 def weight_map(checkpoint_dir: str | Path) -> dict[str, str]:
@@ -77,22 +101,24 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
 
 def load_tensors(
     checkpoint_dir: str | Path,
-    role: Role,
+    select: Selector,
+    what: str,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """The role's tensors, under their local names, cast to `dtype` (None: as stored).
+    """The tensors `select` takes, under their local names, cast to `dtype` (None: as stored).
+    `what` names the module in errors.
 
-    Only the files that hold the role's tensors are opened, and only those tensors are read.
+    Only the files that hold those tensors are opened, and only those tensors are read.
     """
     root = Path(checkpoint_dir)
     by_file: dict[str, list[tuple[str, str]]] = {}
     for name, file in weight_map(root).items():
-        local = local_name(name, role)
+        local = select(name)
         if local is not None:
             by_file.setdefault(file, []).append((name, local))
     if not by_file:
-        raise CheckpointError(f"{root}: no {role} tensors in the checkpoint")
+        raise CheckpointError(f"{root}: no {what} tensors in the checkpoint")
     out: dict[str, torch.Tensor] = {}
     for file, names in sorted(by_file.items()):
         with safe_open(str(root / file), framework="pt", device="cpu") as f:
@@ -106,38 +132,31 @@ def load_tensors(
     return out
 
 
-def model_fingerprint(checkpoint_dir: str | Path, tower_dtype: torch.dtype | str) -> str:
-    """A short, stable hex id of everything that decides what the vision tower outputs.
-
-    It covers the vision config, the image and video preprocessor
-    settings, the tower dtype, our embedding code's version, and the identity of the vision
-    weights: each file's size and header (names, dtypes, shapes, offsets) plus the first 4 KiB
-    of every vision tensor. That reads a few MiB at most, never whole weight files, yet any
-    retrained or fine-tuned tower changes it. Two hosts with copies of one checkpoint agree.
+def weights_fingerprint(
+    checkpoint_dir: str | Path, select: Selector, settings: dict[str, Any]
+) -> str:
+    """A short, stable hex id of what decides an encoder's output: `settings` (configs, dtype,
+    code version: whatever the family says matters) and the identity of the tensors `select`
+    takes: each file's size and header (names, dtypes, shapes, offsets) plus the first 4 KiB of
+    every selected tensor. That reads a few MiB at most, never whole weight files, yet any
+    retrained or fine-tuned encoder changes it. Two hosts with copies of one checkpoint agree.
     """
-    from models.config import load_processor_configs
-
     root = Path(checkpoint_dir)
-    arch = load_arch_config(root)
-    image_cfg, video_cfg = load_processor_configs(root)
     h = hashlib.sha256()
 
     def add(label: str, value: object) -> None:
         h.update(label.encode() + b"\0" + json.dumps(value, sort_keys=True, default=str).encode())
 
-    add("code", EMBEDDING_CODE_VERSION)
-    add("dtype", str(tower_dtype).removeprefix("torch."))
-    add("vision", arch.vision.__dict__)
-    add("image", image_cfg.__dict__)
-    add("video", video_cfg.__dict__)
-    files = sorted({f for n, f in weight_map(root).items() if local_name(n, "vision") is not None})
+    for key in sorted(settings):
+        add(key, settings[key])
+    files = sorted({f for n, f in weight_map(root).items() if select(n) is not None})
     for file in files:
         path = root / file
         header, data_start = read_header(path)
         add("file", [file, path.stat().st_size, header])
         with path.open("rb") as f:
             for name in sorted(header):
-                if local_name(name, "vision") is None:
+                if select(name) is None:
                     continue
                 begin, end = header[name]["data_offsets"]
                 f.seek(data_start + begin)

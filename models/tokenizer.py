@@ -1,13 +1,14 @@
-"""The checkpoint's tokenizer, its chat template, streaming detokenization and placeholders.
+"""A Hugging Face checkpoint's tokenizer, its chat template, streaming detokenization and
+placeholder expansion (any family whose checkpoint ships tokenizer.json).
 
 `tokenizer.json` is loaded with `tokenizers`. The chat template is the checkpoint's own Jinja
 (tokenizer_config.json `chat_template`, or chat_template.jinja / chat_template.json as newer
 tools write it), rendered in a sandbox with the same helpers transformers gives templates
 (`raise_exception`, a `tojson` that keeps non-ASCII text, `strftime_now`, `{% generation %}`).
 
-A prompt refers to each media item with ONE placeholder token (`<|image_pad|>` or
-`<|video_pad|>`, between `<|vision_start|>` and `<|vision_end|>`); `expand_placeholders` repeats
-each to the item's token count, known from its header (see `MediaProcessor.image_grid`).
+A prompt refers to each media item with ONE placeholder token (the family says which, e.g.
+Qwen2-VL's `<|image_pad|>`); `expand_placeholders` repeats each to the item's token count, known
+from its header (the family processor's `grid`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from models.config import CheckpointError, read_json
-
-IMAGE_PAD = "<|image_pad|>"
-VIDEO_PAD = "<|video_pad|>"
-VISION_START = "<|vision_start|>"
-VISION_END = "<|vision_end|>"
+from models.checkpoint import CheckpointError, read_json
 
 # Token names transformers passes to every template (bos_token, eos_token, ...).
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -45,10 +41,6 @@ class Tokenizer:
         self.special_token_strings = {
             k: _token_content(config.get(k)) for k in _SPECIAL_KEYS if config.get(k) is not None
         }
-        self.image_token_id = self._required_id(IMAGE_PAD)
-        self.video_token_id = self._required_id(VIDEO_PAD)
-        self.vision_start_token_id = self._required_id(VISION_START)
-        self.vision_end_token_id = self._required_id(VISION_END)
         eos = self.special_token_strings.get("eos_token")
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
         self._template: jinja2.Template | None = None
@@ -77,7 +69,8 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def _required_id(self, token: str) -> int:
+    def required_id(self, token: str) -> int:
+        """The id of a token the family needs (a placeholder); CheckpointError without it."""
         token_id = self._tok.token_to_id(token)
         if token_id is None:
             raise CheckpointError(f"tokenizer.json has no {token} token")

@@ -63,16 +63,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 from aiohttp import web
 
-from proxy.workers import overall_status
-
-if TYPE_CHECKING:
-    from proxy.server import Proxy
-    from proxy.workers import Worker
+from proxy.core import Proxy
+from proxy.workers import Worker, overall_status
 
 logger = logging.getLogger(__name__)
 
@@ -182,16 +179,16 @@ class History:
 
 
 class Dashboard:
-    """The sampler and the state builder over one proxy (found in `proxy_ref` once loaded)."""
+    """The sampler and the state builder over one proxy (`proxy`: None until it has loaded)."""
 
     def __init__(
         self,
-        proxy_ref: list[Proxy],
+        proxy: Proxy | None = None,
         serving: Callable[[], bool] = lambda: True,
         interval: float = 1.0,
         history_seconds: int = HISTORY_SECONDS,
     ):
-        self._proxy = proxy_ref
+        self.proxy = proxy
         self.serving = serving
         self.interval = interval
         self.started = time.time()
@@ -200,10 +197,6 @@ class Dashboard:
         self._last: dict[str, Any] | None = None  # counters at the previous sample
         self._recent: deque[tuple[float, dict]] = deque(maxlen=RECENT_SECONDS)
         self._ticks = 0
-
-    @property
-    def proxy(self) -> Proxy | None:
-        return self._proxy[0] if self._proxy else None
 
     # -- sampling -----------------------------------------------------------------------------
 
@@ -455,11 +448,11 @@ def _worker(w: Worker, now: float) -> dict[str, Any]:
 
 
 def add_dashboard(
-    app: web.Application, proxy_ref: list[Proxy], serving: Callable[[], bool]
+    app: web.Application, serving: Callable[[], bool], proxy: Proxy | None = None
 ) -> Dashboard:
     """Register GET /dashboard and GET /dashboard/state on `app`; the sampler runs while the
-    app does."""
-    dashboard = Dashboard(proxy_ref, serving)
+    app does. Set the dashboard's `proxy` once it has loaded."""
+    dashboard = Dashboard(proxy, serving)
     app.router.add_get("/dashboard", dashboard.page)
     app.router.add_get("/dashboard/state", dashboard.state_handler)
 

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import grpc
 
-from epd.media import media_to_proto
+from common.media import media_to_proto
 from proto import epd_pb2
 from proxy.metrics import ProxyMetrics
 from proxy.prepare import BadInput, PreparedItem

@@ -24,6 +24,7 @@ from functools import partial
 
 import grpc
 
+from common.media import MODALITIES
 from connector import AsyncECConnector, ConnectorError
 from proto import epd_pb2
 from proxy.encode import RETRYABLE, EncodeDispatcher, Unavailable, backoff
@@ -155,9 +156,7 @@ class Frontend:
             t, h, w = item.grid.grid_thw
             msg.mm_features.add(
                 mm_hash=item.mm_hash,
-                modality={"image": epd_pb2.MODALITY_IMAGE, "video": epd_pb2.MODALITY_VIDEO}[
-                    item.grid.modality
-                ],
+                modality=MODALITIES[item.grid.modality],
                 offset=item.offset,
                 length=item.length,
                 grid=epd_pb2.GridTHW(t=t, h=h, w=w),

@@ -21,23 +21,20 @@ import json
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import prometheus_client
 from aiohttp import web
 
-from epd.media import AudioClip, MediaInput
-from models import MediaError
+from common.server import RoleServer
+from models import AudioClip, MediaError, MediaInput
 from proto import epd_pb2
+from proxy.core import ModelNotFound, Overloaded, Proxy
 from proxy.dashboard import add_dashboard
 from proxy.encode import Unavailable
 from proxy.prepare import BadInput, ChatMessage, Part
 from proxy.workers import overall_status
-
-if TYPE_CHECKING:
-    from epd.server import RoleServer
-    from proxy.server import Proxy
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +63,6 @@ class HttpError(Exception):
 
 def error_of(e: Exception) -> HttpError:
     """The HTTP error for an exception raised while serving a request."""
-    from proxy.server import ModelNotFound, Overloaded
-
     if isinstance(e, HttpError):
         return e
     if isinstance(e, BadInput | MediaError):
@@ -168,8 +163,8 @@ def parse_sampling(body: dict) -> epd_pb2.SamplingParams:
 
 
 class HttpApi:
-    def __init__(self, proxy_ref: list[Proxy], role: RoleServer):
-        self._proxy = proxy_ref
+    def __init__(self, role: RoleServer):
+        self.proxy: Proxy | None = None  # set by attach() once loaded
         self.role = role
         self.serving = False
         self.app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -181,12 +176,13 @@ class HttpApi:
                 web.post("/v1/chat/completions", self.chat_completions),
             ]
         )
-        add_dashboard(self.app, proxy_ref, lambda: self.serving)
+        self.dashboard = add_dashboard(self.app, lambda: self.serving)
         self.runner: web.AppRunner | None = None
 
-    @property
-    def proxy(self) -> Proxy:
-        return self._proxy[0]
+    def attach(self, proxy: Proxy) -> None:
+        """The loaded proxy: from now on the API and the dashboard serve from it."""
+        self.proxy = proxy
+        self.dashboard.proxy = proxy
 
     async def start(self, host: str, port: int) -> None:
         self.runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0)
@@ -234,7 +230,7 @@ class HttpApi:
         )
 
     async def models(self, request: web.Request) -> web.Response:
-        if not self._proxy:
+        if self.proxy is None:
             return web.json_response(HttpError(503, "starting", "ServiceUnavailableError").body(),
                                      status=503)  # fmt: skip
         card = self.proxy.card

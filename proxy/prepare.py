@@ -20,16 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from epd.media import MediaInput, media_grid
-from epd.served_model import ServedModel
-from models import (
-    MediaError,
-    MediaGrid,
-    MediaProcessor,
-    Tokenizer,
-    expand_placeholders,
-    load_arch_config,
-)
+from common.served_model import ServedModel
+from models import MediaError, MediaGrid, MediaInput, expand_placeholders
 from proto import epd_pb2
 
 HASH_VERSION = b"epd-mm-hash-v1"
@@ -101,15 +93,12 @@ class RequestBuilder:
     """Turns prompts and media into PreparedRequests for one served model."""
 
     def __init__(self, served: ServedModel):
+        family = served.family
         self.served = served
-        self.tokenizer = Tokenizer.from_dir(served.path)
-        self.processor = MediaProcessor.from_checkpoint(served.path)
-        arch = load_arch_config(served.path)
-        self.placeholder = {
-            "image": arch.tokens.image_token_id,
-            "video": arch.tokens.video_token_id,
-        }
-        self.max_position_embeddings = arch.text.max_position_embeddings
+        self.tokenizer = family.tokenizer()
+        self.processor = family.processor()  # headers only, here
+        self.modalities = family.modalities
+        self.placeholder = family.placeholder_token_ids
 
     def build(
         self,
@@ -132,8 +121,10 @@ class RequestBuilder:
         items = []
         for index in order:
             item = media[index]
+            if item.modality not in self.modalities:
+                raise BadInput(self._unsupported(index, item.modality))
             try:
-                grid = media_grid(self.processor, item)
+                grid = self.processor.grid(item)
             except MediaError as e:
                 raise BadInput(f"media item {index}: {e.reason}") from None
             items.append(PreparedItem(mm_hash(self.served.fingerprint, item), item, grid))
@@ -168,11 +159,8 @@ class RequestBuilder:
                     raise BadInput(f"media item {part.media_index} is referenced twice")
                 order.append(part.media_index)
                 kind = media[part.media_index].modality
-                if kind == "audio":
-                    raise BadInput(
-                        f"media item {part.media_index}: audio items need an audio encoder; "
-                        "this model has none"
-                    )
+                if kind not in self.modalities:
+                    raise BadInput(self._unsupported(part.media_index, kind))
                 content.append({"type": kind})
             rendered.append({"role": m.role, "content": content})
         if len(order) != len(media):
@@ -192,6 +180,12 @@ class RequestBuilder:
                 raise BadInput("continue_final_message needs a final message ending in text")
             text = text[: text.rindex(tail) + len(tail)]
         return self.tokenizer.encode(text), order
+
+    def _unsupported(self, index: int, modality: str) -> str:
+        return (
+            f"media item {index}: {modality} items are not supported by this model "
+            f"(it takes {', '.join(self.modalities)})"
+        )
 
     def _expand(self, ids: list[int], items: list[PreparedItem]) -> list[int]:
         placeholder_ids = set(self.placeholder.values())

@@ -4,7 +4,7 @@ Each worker has a gRPC channel, a grpc.health.v1 Watch stream (SERVING or not, s
 it changes; a broken stream marks it down), a circuit breaker (opened by consecutive failed
 calls, half-open after a cooldown), its last reported load (GetLoad, polled) and the proxy's own
 count of work it has sent there and not seen finish. Workers come from the static addresses in
-the config and from the Redis registry (epd/registry.py), re-read every `refresh` seconds.
+the config and from the Redis registry (connector/registry.py), re-read every `refresh` seconds.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Gauge
 
-from epd.registry import live_workers
-from epd.server import CHANNEL_OPTIONS
+from common.server import CHANNEL_OPTIONS
+from connector.registry import live_workers
 from proto import epd_pb2
 
 logger = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ import grpc
 import yaml
 from PIL import Image
 
+from common.process import Child, epd_command, free_port
 from connector import EmbeddedRedis
-from epd.process import Child, epd_command, free_port
 from proto import epd_pb2, epd_pb2_grpc
 from tests.helpers import RoleProcess
 

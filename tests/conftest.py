@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from common.process import Child, epd_command, free_port
 from connector import EmbeddedRedis
-from epd.process import Child, epd_command, free_port
 from tests.helpers import RoleProcess
 
 
@@ -30,7 +30,7 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A tiny random Qwen2.5-VL checkpoint (milliseconds to write, to load, to run)."""
-    from models import make_checkpoint
+    from models.testing import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), "qwen2_5_vl", "tiny", seed=7)
 
@@ -38,7 +38,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_ref(tiny_checkpoint):
     """The models' reference path on the tiny checkpoint: expected tokens for the tests."""
-    from models import ReferenceModel
+    from models.testing import ReferenceModel
 
     return ReferenceModel(tiny_checkpoint)
 

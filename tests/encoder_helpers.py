@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from models import MediaProcessor, ReferenceModel
+from models.qwen2_vl.processing import MediaProcessor
+from models.testing import ReferenceModel
 from proto import epd_pb2
 from tests.helpers import write_config
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from epd.health import health_status
-from epd.process import Child
+from common.health import health_status
+from common.process import Child
 
 
 @dataclass

@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 import torch
 from PIL import Image
 
-from epd.config import ClusterConfig, LMConfig
-from lm_worker.engine import LMEngine, RequestOutput, build_engine
-from lm_worker.request import MMFeature, Request, SamplingParams
-from models import ImageItem, ReferenceModel
+from common.config import LMConfig
+from lm_worker.engine import LMEngine, RequestOutput
+from lm_worker.loader import build_engine
+from lm_worker.request import Request
+from models import MMFeature, ModelFamily, SamplingParams, load_family
+from models.testing import ImageItem, ReferenceModel
 
 
 def png(width: int, height: int, color=(200, 30, 40)) -> bytes:
@@ -25,21 +27,15 @@ def png(width: int, height: int, color=(200, 30, 40)) -> bytes:
     return buf.getvalue()
 
 
-def make_engine(checkpoint, **lm) -> LMEngine:
+def make_engine(checkpoint, family: ModelFamily | None = None, **lm) -> LMEngine:
+    """An engine over the checkpoint's family (or `family`: a test family), fp32, no metrics
+    registry; `lm` are LMConfig settings, plus pad_decodes."""
     lm.setdefault("kv_cache_bytes", 32 << 20)
     lm.setdefault("max_num_seqs", 16)
     lm.setdefault("max_num_batched_tokens", 256)
     pad = lm.pop("pad_decodes", False)
-    model_cls = lm.pop("model_cls", None)
-    config = ClusterConfig(lm=LMConfig(**lm))
-    return build_engine(
-        config,
-        str(checkpoint),
-        torch.float32,
-        registry=None,
-        model_cls=model_cls,
-        pad_decodes=pad,
-    )
+    family = family or load_family(checkpoint)
+    return build_engine(LMConfig(**lm), family, torch.float32, registry=None, pad_decodes=pad)
 
 
 @dataclass
@@ -94,7 +90,7 @@ def case(ref: ReferenceModel, request_id: str, text: str, images=(), max_tokens:
         mm_hash = f"{request_id}-img{i}"
         features.append(MMFeature(mm_hash, span.offset, e.shape[0], None, "image", span.grid_thw))
         embeddings[mm_hash] = e
-    expected = ref.generate(messages, items, max_new_tokens=max_tokens, ignore_eos=True)
+    expected = ref.generate(messages, items, max_tokens=max_tokens, ignore_eos=True)
     return Case(request_id, prepared.token_ids, features, embeddings, expected)
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from models import ReferenceModel, make_checkpoint
-from models.reference import PreparedPrompt
+from models.testing import ReferenceModel, make_checkpoint
+from models.testing.reference import PreparedPrompt
 
 TORCH_THREADS = 2
 

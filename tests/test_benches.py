@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from epd.process import epd_command, free_port
+from common.process import epd_command, free_port
 
 
 def bench(*args: str) -> dict:

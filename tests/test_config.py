@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epd.config import (
+from common.config import (
     ENV_REGISTRY,
     ClusterConfig,
     ConfigError,

@@ -20,9 +20,9 @@ import yaml
 from aiohttp import web
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from epd.config import load_config
-from epd.process import free_port
-from epd.served_model import resolve_model
+from common.config import load_config
+from common.process import free_port
+from common.served_model import resolve_model
 from proto import epd_pb2
 from proxy.dashboard import (
     HISTORY_SECONDS,
@@ -291,7 +291,7 @@ def test_page_in_chromium_shows_workers_hit_rate_and_a_killed_worker(cluster, tr
 
 
 def test_state_before_the_proxy_has_loaded():
-    state = Dashboard([]).state()
+    state = Dashboard().state()
     assert state["proxy"] == {"model": "", "serving": False, "status": "starting"}
     assert state["workers"] == [] and state["cache"] == {} and state["traffic"] == {}
     assert state["history"]["t"] == [] and set(state["history"]["series"]) == set(SERIES)
@@ -375,7 +375,7 @@ def feed_an_hour(dashboard: Dashboard, proxy: Proxy, t0: float) -> None:
 
 
 async def test_state_stays_bounded_with_50_workers_and_an_hour_of_samples(big_proxy):
-    dashboard = Dashboard([big_proxy])
+    dashboard = Dashboard(big_proxy)
     t0 = time.time() - 3600
     feed_an_hour(dashboard, big_proxy, t0)
     end = t0 + 3599.5
@@ -423,7 +423,7 @@ async def test_state_stays_bounded_with_50_workers_and_an_hour_of_samples(big_pr
 async def test_page_with_50_workers_and_an_hour_of_data_in_chromium(big_proxy):
     needs_chromium()
     app = web.Application()
-    dashboard = add_dashboard(app, [big_proxy], lambda: True)
+    dashboard = add_dashboard(app, lambda: True, big_proxy)
     feed_an_hour(dashboard, big_proxy, time.time() - 3600)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

@@ -2,7 +2,7 @@
 
 Docker does not run on these machines, so nothing is built or started here. What runs:
 - yamllint (deploy/.yamllint.yaml) on every YAML file under deploy/;
-- every cluster config under deploy/ through `epd.config.load_config`;
+- every cluster config under deploy/ through `common.config.load_config`;
 - the compose files against the compose specification's JSON schema (the copy that
   check-jsonschema ships, with its licence), alone and merged (base + CUDA override), then
   what the schema cannot see: start order by health, ports that match the mounted config,
@@ -35,8 +35,8 @@ import yaml
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
-from epd.config import ENV_REGISTRY, ClusterConfig, ConfigError, load_config, parse_address
-from epd.process import epd_command, free_port
+from common.config import ENV_REGISTRY, ClusterConfig, ConfigError, load_config, parse_address
+from common.process import epd_command, free_port
 from tests.helpers import write_config
 
 ROOT = Path(__file__).resolve().parent.parent

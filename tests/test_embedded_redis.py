@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import redis
 
+from common.process import port_is_free
 from connector import EmbeddedRedis
-from epd.process import port_is_free
 
 
 def test_fixture_serves_real_commands(redis_server):

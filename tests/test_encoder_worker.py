@@ -16,14 +16,15 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from common.config import ClusterConfig, ConfigError, ConnectorConfig, EncoderConfig, ModelConfig
+from common.media import media_from_proto
+from common.process import free_port
 from connector import AsyncECConnector, ECConnector
 from encoder_worker.encoder import BatchQueue, EncodeItem, MMEncoder, _Job
 from encoder_worker.metrics import EncoderMetrics
 from encoder_worker.tower import load_tower
-from epd.config import ClusterConfig, ConfigError, ConnectorConfig, EncoderConfig, ModelConfig
-from epd.media import NO_AUDIO_ENCODER, MediaInput, media_from_proto, media_grid
-from epd.process import free_port
-from models import MediaError, MediaProcessor, ReferenceModel, make_checkpoint, model_fingerprint
+from models import MediaError, MediaInput, load_family
+from models.testing import ReferenceModel, make_checkpoint
 from proto import epd_pb2, epd_pb2_grpc
 from tests.encoder_helpers import (
     Scrape,
@@ -34,6 +35,8 @@ from tests.encoder_helpers import (
     video_item,
 )
 
+# What the Qwen2-VL family answers for an audio item.
+NO_AUDIO = "audio items: this model takes images and video"
 STORED = epd_pb2.ENCODE_OUTCOME_STORED
 HELD = epd_pb2.ENCODE_OUTCOME_HELD
 FAILED = epd_pb2.ENCODE_OUTCOME_FAILED
@@ -73,7 +76,7 @@ def encoder(tmp_path, checkpoint, redis_server, start_role):
         role.wait_status("SERVING")
         channel = grpc.insecure_channel(role.address)
         channels.append(channel)
-        fingerprint = model_fingerprint(checkpoint, torch.float32)
+        fingerprint = load_family(checkpoint).fingerprint(torch.float32)
         connector = ECConnector(redis_server.url, fingerprint, registry=None)
         connectors.append(connector)
         return role, epd_pb2_grpc.EncoderStub(channel), metrics_port, connector
@@ -178,7 +181,7 @@ def test_a_bad_item_fails_alone_and_its_batch_goes_on(encoder, ref):
     assert "corrupt or truncated" in by_hash["truncated"].error.message
     assert "not a recognised image format" in by_hash["not-an-image"].error.message
     assert "above the limit of 90000" in by_hash["oversize"].error.message
-    assert by_hash["audio"].error.message == NO_AUDIO_ENCODER
+    assert by_hash["audio"].error.message == NO_AUDIO
     assert "no payload" in by_hash["no-payload"].error.message
     assert "unknown image processor kwargs ['resample']" in by_hash["bad-kwargs"].error.message
     assert "bad mm_hash" in by_hash["not a hash!"].error.message
@@ -239,8 +242,10 @@ def test_sigterm_finishes_every_accepted_item(encoder, checkpoint):
     hashes = [i.mm_hash for r in requests for i in r.items]
     pool = concurrent.futures.ThreadPoolExecutor(calls)
     futures = [pool.submit(stub.Encode, r, timeout=60) for r in requests]
-    processor = MediaProcessor.from_checkpoint(checkpoint)
-    tokens = sum(processor.image_grid(i.media.image).num_tokens for r in requests for i in r.items)
+    processor = load_family(checkpoint).processor()
+    tokens = sum(
+        processor.grid(media_from_proto(i.media)).num_tokens for r in requests for i in r.items
+    )
     deadline = time.monotonic() + 20
     # Accepted (queued), and every header read (their tokens count).
     while (load := stub.GetLoad(epd_pb2.GetLoadRequest(), timeout=5)).queued_tokens < tokens:
@@ -296,12 +301,12 @@ def test_media_from_proto():
 
 
 def test_media_grid_reads_headers_and_refuses_audio(checkpoint):
-    processor = MediaProcessor.from_checkpoint(checkpoint)
-    grid = media_grid(processor, MediaInput("image", image=noise_png(112, 56, seed=0)))
+    processor = load_family(checkpoint).processor()
+    grid = processor.grid(MediaInput("image", image=noise_png(112, 56, seed=0)))
     assert (grid.grid_thw, grid.num_tokens) == ((1, 4, 8), 8)
     with pytest.raises(MediaError) as info:
-        media_grid(processor, media_from_proto(epd_pb2.MediaItem(audio=epd_pb2.AudioClip())))
-    assert info.value.reason == NO_AUDIO_ENCODER
+        processor.grid(media_from_proto(epd_pb2.MediaItem(audio=epd_pb2.AudioClip())))
+    assert info.value.reason == NO_AUDIO
 
 
 def _job(name: str, tokens: int) -> _Job:
@@ -461,7 +466,7 @@ async def test_cuda_tower_publishes_what_the_cpu_reference_computes(checkpoint, 
 def test_media_to_proto_inverts_media_from_proto():
     from google.protobuf import struct_pb2
 
-    from epd.media import media_to_proto
+    from common.media import media_to_proto
 
     kwargs = struct_pb2.Struct()
     kwargs.update({"max_pixels": 3136 * 4})

@@ -8,26 +8,25 @@ import time
 import pytest
 import torch
 
-from epd.config import ClusterConfig, LMConfig
-from lm_worker.engine import build_engine
-from lm_worker.request import Request, SamplingParams
-from models import ReferenceModel, make_checkpoint
+from common.config import LMConfig
+from lm_worker.loader import build_engine
+from lm_worker.request import Request
+from models import SamplingParams, load_family
+from models.testing import ReferenceModel, make_checkpoint
 from tests.lm_helpers import Collected
 
 pytestmark = pytest.mark.cuda
 
 
 def engine(checkpoint, graphs: str, dtype=torch.float32):
-    config = ClusterConfig(
-        lm=LMConfig(
-            device="cuda",
-            cuda_graphs=graphs,
-            kv_cache_bytes=256 << 20,
-            max_num_seqs=32,
-            max_model_len=1024,
-        )
+    lm = LMConfig(
+        device="cuda",
+        cuda_graphs=graphs,
+        kv_cache_bytes=256 << 20,
+        max_num_seqs=32,
+        max_model_len=1024,
     )
-    return build_engine(config, str(checkpoint), dtype, registry=None)
+    return build_engine(lm, load_family(checkpoint), dtype, registry=None)
 
 
 def generate(e, prompts, max_tokens):
@@ -57,7 +56,7 @@ def test_graph_decode_matches_eager_and_reference(checkpoint, batch):
     got, _ = generate(graphed, prompts, 24)
     assert got == want
     ref = ReferenceModel(checkpoint, device="cuda")
-    assert got[0] == ref.generate(prompts[0], max_new_tokens=24, ignore_eos=True)
+    assert got[0] == ref.generate(prompts[0], max_tokens=24, ignore_eos=True)
 
 
 def test_graph_speedup_is_printed(tmp_path_factory):

@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from lm_worker.attention import PagedAttention
-from lm_worker.request import MMFeature, Request, SamplingParams
-from models import ContiguousKVAttention, Qwen2LanguageModel, ReferenceModel
+from lm_worker.request import Request
+from models import MMFeature, SamplingParams
+from models.qwen2_vl import Qwen2VLFamily
+from models.qwen2_vl.language_model import Qwen2LanguageModel
+from models.testing import ContiguousKVAttention, ReferenceModel
 from tests.lm_helpers import Collected, case, make_engine, png, run
 
 
@@ -127,6 +130,15 @@ class RealtimeTestLM(Qwen2LanguageModel):
         return embeds
 
 
+class RealtimeTestFamily(Qwen2VLFamily):
+    """The tiny checkpoint's family with the synthetic realtime LM."""
+
+    def load_language_model(self, attn_backend, dtype, device):
+        return RealtimeTestLM.from_checkpoint(
+            self.path, self.arch.text, attn_backend, dtype, device
+        )
+
+
 def test_realtime_model_gathers_embeddings_on_decode_steps(tiny_checkpoint, tiny_ref, cases):
     ids = tiny_ref.tokenizer.encode("Transcribe the audio that follows:")
     steps = 12
@@ -134,7 +146,7 @@ def test_realtime_model_gathers_embeddings_on_decode_steps(tiny_checkpoint, tiny
     audio = torch.randn(steps, tiny_ref.lm.config.hidden_size) * 0.5
     expected = reference_greedy(tiny_ref, ids, None, None, steps, audio=audio)
 
-    engine = make_engine(tiny_checkpoint, model_cls=RealtimeTestLM)
+    engine = make_engine(tiny_checkpoint, RealtimeTestFamily(tiny_checkpoint))
     assert engine.runner.mm.is_realtime
     # The first generated token sits at index len(ids); from there on each step adds a row.
     feature = MMFeature("session-1", len(ids), steps, modality="audio")
@@ -165,11 +177,12 @@ def test_dummy_run_reads_dummy_inputs_embeds(tiny_checkpoint):
     engine = make_engine(tiny_checkpoint)
     runner = engine.runner
     torch.manual_seed(2)
-    runner.inputs_embeds[:4] = torch.randn(4, runner.inputs_embeds.shape[1])
+    embeds = runner.buffers.inputs_embeds
+    embeds[:4] = torch.randn(4, embeds.shape[1])
     state = runner.model_state
-    assert state.dummy_inputs_embeds(4).data_ptr() == runner.inputs_embeds.data_ptr()
+    assert state.dummy_inputs_embeds(4).data_ptr() == embeds.data_ptr()
     first = runner.dummy_run(4).clone()
-    runner.inputs_embeds[:4] *= 2
+    embeds[:4] *= 2
     second = runner.dummy_run(4)
     assert not torch.allclose(first, second)  # it reads the buffer, nothing else
     # And nothing about it touched a real sequence's KV: it wrote the null block only.

@@ -11,10 +11,10 @@ import urllib.request
 import grpc
 import pytest
 
+from common.config import load_config
+from common.process import Child, epd_command, free_port, port_is_free
+from common.served_model import resolve_model
 from connector import ECConnector, EmbeddedRedis
-from epd.config import load_config
-from epd.process import Child, epd_command, free_port, port_is_free
-from epd.served_model import resolve_model
 from proto import epd_pb2, epd_pb2_grpc
 from tests.helpers import RoleProcess, write_config
 from tests.lm_helpers import case, png

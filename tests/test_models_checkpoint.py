@@ -13,19 +13,24 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import models.builtin
+import common.served_model
+from common.served_model import ensure_builtin_model
 from epd.cli import main as epd_main
-from models import (
-    CheckpointError,
-    ensure_builtin_model,
-    load_arch_config,
-    load_processor_configs,
-    load_tensors,
-    make_checkpoint,
-    model_fingerprint,
-)
-from models.make import count_parameters
+from models import CheckpointError, load_family
+from models.checkpoint import load_tensors
+from models.qwen2_vl.config import load_arch_config, load_processor_configs
+from models.qwen2_vl.language_model import lm_tensor
+from models.qwen2_vl.vision import VISION_TENSORS
+from models.testing import make_checkpoint
+from models.testing.make import count_parameters
 from tests.model_helpers import build_tiny, hf_model
+
+SELECT = {"vision": VISION_TENSORS, "lm": lm_tensor}
+
+
+def fingerprint(checkpoint: Path, dtype) -> str:
+    return load_family(checkpoint).fingerprint(dtype)
+
 
 FILES = {
     "config.json",
@@ -154,14 +159,14 @@ def test_processor_configs(tiny):
 
 
 def test_roles_load_only_their_tensors(tiny):
-    vision = load_tensors(tiny, "vision")
-    lm = load_tensors(tiny, "lm")
+    vision = load_tensors(tiny, VISION_TENSORS, "vision")
+    lm = load_tensors(tiny, lm_tensor, "lm")
     everything = load_file(tiny / "model.safetensors")
     assert len(vision) + len(lm) == len(everything)
     assert all(k.startswith(("blocks.", "patch_embed.", "merger.")) for k in vision)
     assert all(k.startswith(("layers.", "embed_tokens.", "norm.", "lm_head.")) for k in lm)
     for dtype in (torch.bfloat16, torch.float16):
-        cast = load_tensors(tiny, "vision", dtype)
+        cast = load_tensors(tiny, VISION_TENSORS, "vision", dtype)
         assert all(t.dtype == dtype for t in cast.values())
         name = "blocks.0.attn.qkv.weight"
         assert torch.equal(cast[name], vision[name].to(dtype))
@@ -189,28 +194,28 @@ def test_sharded_and_v5_names(tmp_path, tiny):
     }
     save_file(new_names, renamed / "model.safetensors")
     for role in ("vision", "lm"):
-        want = load_tensors(tiny, role)
+        want = load_tensors(tiny, SELECT[role], role)
         for other in (sharded, renamed):
-            got = load_tensors(other, role)
+            got = load_tensors(other, SELECT[role], role)
             assert got.keys() == want.keys()
             assert all(torch.equal(got[k], want[k]) for k in want)
     # The reference agrees that the sharded directory is the same model.
     model = hf_model(sharded)
-    assert torch.equal(model.lm_head.weight, load_tensors(tiny, "lm")["lm_head.weight"])
+    assert torch.equal(model.lm_head.weight, load_tensors(tiny, lm_tensor, "lm")["lm_head.weight"])
 
 
 def test_fingerprint(tmp_path, tiny):
-    base = model_fingerprint(tiny, torch.float32)
+    base = fingerprint(tiny, torch.float32)
     assert len(base) == 16 and int(base, 16) >= 0
     copy = tmp_path / "copy"
     shutil.copytree(tiny, copy)
-    assert model_fingerprint(copy, "float32") == base  # another host, same checkpoint
-    assert model_fingerprint(tiny, torch.bfloat16) != base
+    assert fingerprint(copy, "float32") == base  # another host, same checkpoint
+    assert fingerprint(tiny, torch.bfloat16) != base
 
     raw = json.loads((copy / "preprocessor_config.json").read_text())
     raw["size"]["longest_edge"] *= 2
     (copy / "preprocessor_config.json").write_text(json.dumps(raw))
-    assert model_fingerprint(copy, torch.float32) != base
+    assert fingerprint(copy, torch.float32) != base
 
     for role, changes in (("lm", False), ("vision", True)):
         other = tmp_path / f"weights-{role}"
@@ -219,11 +224,11 @@ def test_fingerprint(tmp_path, tiny):
         name = "visual.blocks.1.mlp.up_proj.bias" if role == "vision" else "model.norm.weight"
         tensors[name] = tensors[name] + 1
         save_file(tensors, other / "model.safetensors", metadata={"format": "pt"})
-        assert (model_fingerprint(other, torch.float32) != base) is changes
+        assert (fingerprint(other, torch.float32) != base) is changes
 
 
 def test_small_shape_counts():
-    from models.make import SHAPES, _tensor_shapes
+    from models.testing.make import SHAPES, _tensor_shapes
 
     params = {"vision": 0, "lm": 0}
     for name, shape in _tensor_shapes("qwen2_5_vl", SHAPES["small"]).items():
@@ -243,7 +248,7 @@ def test_cli_make_model(tmp_path, capsys):
 
 
 def test_builtin_model_written_once_atomically(tmp_path, monkeypatch):
-    monkeypatch.setattr(models.builtin, "BUILTIN_SIZE", "tiny")
+    monkeypatch.setattr(common.served_model, "BUILTIN_SIZE", "tiny")
     results: list[Path] = []
     threads = [
         threading.Thread(target=lambda: results.append(ensure_builtin_model(tmp_path)))

@@ -6,17 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import (
-    ContiguousKVAttention,
-    ImageItem,
-    MediaSpan,
-    Qwen2LanguageModel,
-    ReferenceModel,
-    SamplingParams,
-    VideoItem,
-    mrope_decode_positions,
-    mrope_positions,
-)
+from models import SamplingParams
+from models.qwen2_vl.language_model import Qwen2LanguageModel
+from models.qwen2_vl.rope import MediaSpan, mrope_decode_positions, mrope_positions
+from models.testing import ContiguousKVAttention, ImageItem, ReferenceModel, VideoItem
 from tests.model_helpers import build_tiny, hf_inputs, hf_model, png
 
 LOGITS_ATOL = 1e-4
@@ -117,21 +110,23 @@ def test_greedy_generation_equals_reference(pair, arch, prompt):
     want = theirs.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)[
         0, len(prepared.token_ids) :
     ].tolist()
-    got = ours.generate(messages, media, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    got = ours.generate(messages, media, max_tokens=NEW_TOKENS, ignore_eos=True)
     assert len(got) == NEW_TOKENS >= 32
     assert got == want
 
 
 def test_packed_sequences_equal_one_at_a_time(pair):
     ours, _ = pair("qwen2_5_vl", False)
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prepared = [ours.prepare(*PROMPTS[name]) for name in ("one image", "text only", "video")]
     together = ours.generate_many(prepared, params)
     alone = [ours.generate_many([p], params)[0] for p in prepared]
     assert together == alone
-    # Stopping: eos ends a sequence early (its cache is freed), max_new_tokens bounds it.
+    # Stopping: eos ends a sequence early (its cache is freed), max_tokens bounds it.
     first = alone[1][0]
-    stopped = ours.generate_many([prepared[1]], SamplingParams(12, stop_token_ids=(first,)))
+    stopped = ours.generate_many(
+        [prepared[1]], SamplingParams(12, temperature=0.0, stop_token_ids=(first,))
+    )
     assert stopped == [[first]]
     assert ours.attention.num_sequences == 0
 
@@ -139,9 +134,9 @@ def test_packed_sequences_equal_one_at_a_time(pair):
 def test_sampling_is_seeded(pair):
     ours, _ = pair("qwen2_5_vl", False)
     messages, media = PROMPTS["one image"]
-    a = ours.generate(messages, media, max_new_tokens=16, temperature=1.0, top_p=0.9, seed=7)
-    b = ours.generate(messages, media, max_new_tokens=16, temperature=1.0, top_p=0.9, seed=7)
-    c = ours.generate(messages, media, max_new_tokens=16, temperature=1.0, top_k=5, seed=8)
+    a = ours.generate(messages, media, max_tokens=16, temperature=1.0, top_p=0.9, seed=7)
+    b = ours.generate(messages, media, max_tokens=16, temperature=1.0, top_p=0.9, seed=7)
+    c = ours.generate(messages, media, max_tokens=16, temperature=1.0, top_k=5, seed=8)
     assert a == b and len(c) == 16
 
 

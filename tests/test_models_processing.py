@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from models import MediaError, MediaProcessor, ProcessorConfig
-from models.processing import smart_resize
+from models import MediaError
+from models.qwen2_vl.config import ProcessorConfig
+from models.qwen2_vl.processing import MediaProcessor, smart_resize
 from tests.model_helpers import build_tiny, encode, hf_image_processor, png, random_image
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 256

@@ -70,10 +70,10 @@ def test_encode_decode_equal_reference(ours, theirs, text):
 
 def test_special_ids_match_config(ours, checkpoint):
     config = json.loads((checkpoint / "config.json").read_text())
-    assert ours.image_token_id == config["image_token_id"]
-    assert ours.video_token_id == config["video_token_id"]
-    assert ours.vision_start_token_id == config["vision_start_token_id"]
-    assert ours.vision_end_token_id == config["vision_end_token_id"]
+    assert ours.required_id("<|image_pad|>") == config["image_token_id"]
+    assert ours.required_id("<|video_pad|>") == config["video_token_id"]
+    assert ours.required_id("<|vision_start|>") == config["vision_start_token_id"]
+    assert ours.required_id("<|vision_end|>") == config["vision_end_token_id"]
     assert ours.eos_token_id == config["text_config"]["eos_token_id"]
     assert ours.vocab_size == config["text_config"]["vocab_size"]
 

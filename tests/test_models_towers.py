@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import VisionTower
 from models.checkpoint import load_tensors
+from models.qwen2_vl.config import load_arch_config
+from models.qwen2_vl.vision import VISION_TENSORS, VisionTower
 from tests.model_helpers import build_tiny, hf_model
 
 ATOL = 1e-5
@@ -24,7 +25,8 @@ GRIDS = {
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def towers(request, tmp_path_factory):
     ckpt = build_tiny(tmp_path_factory.mktemp("towers"), request.param)
-    return VisionTower.from_checkpoint(ckpt), hf_model(ckpt).model.visual, ckpt
+    ours = VisionTower.from_checkpoint(ckpt, load_arch_config(ckpt).vision)
+    return ours, hf_model(ckpt).model.visual, ckpt
 
 
 @pytest.mark.parametrize("grids", GRIDS.values(), ids=GRIDS.keys())
@@ -54,7 +56,7 @@ def test_tower_dtypes(towers):
     pixels = torch.randn(64 + 48, 3 * 2 * 14 * 14)
     want = torch.cat(ours.embed_multimodal(pixels, grids))
     for dtype in (torch.bfloat16, torch.float16):
-        low = VisionTower.from_checkpoint(ckpt, dtype=dtype)
+        low = VisionTower.from_checkpoint(ckpt, load_arch_config(ckpt).vision, dtype=dtype)
         assert low.dtype == dtype
         got = torch.cat(low.embed_multimodal(pixels, grids))
         assert got.dtype == dtype
@@ -65,5 +67,5 @@ def test_tower_dtypes(towers):
 def test_tower_loads_no_lm_tensors(towers):
     ours, _, ckpt = towers
     names = set(ours.state_dict())
-    assert names == set(load_tensors(ckpt, "vision"))
+    assert names == set(load_tensors(ckpt, VISION_TENSORS, "vision"))
     assert not any(n.startswith(("layers.", "embed_tokens", "lm_head")) for n in names)

@@ -22,8 +22,8 @@ import time
 import pytest
 import yaml
 
+from common.process import Child
 from connector.embedded import server_binary
-from epd.process import Child
 from tests.cluster_helpers import image_bytes
 from tests.netns import Agent, NetnsUnavailable, Switch, check_available, netns_inode
 
@@ -179,7 +179,7 @@ class MultiHostCluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from models import make_checkpoint
+    from models.testing import make_checkpoint
 
     workdir = tmp_path_factory.mktemp("multihost")
     checkpoint = make_checkpoint(workdir / "tiny", "qwen2_5_vl", "tiny", seed=11)

@@ -13,11 +13,11 @@ import pytest
 import redis
 import yaml
 
-from epd.config import load_config
-from epd.media import MediaInput
-from epd.process import Child, epd_command, free_port
-from epd.served_model import resolve_model
-from models import ImageItem, ReferenceModel
+from common.config import load_config
+from common.process import Child, epd_command, free_port
+from common.served_model import resolve_model
+from models import MediaInput
+from models.testing import ImageItem, ReferenceModel
 from proto import epd_pb2, epd_pb2_grpc
 from proxy.prepare import mm_hash
 from tests.cluster_helpers import Cluster, http_json, image_bytes
@@ -43,7 +43,7 @@ def expected(ref: ReferenceModel, text: str, images=()) -> list[int]:
     return ref.generate(
         [{"role": "user", "content": content}],
         [ImageItem(b) for b in images],
-        max_new_tokens=MAX_TOKENS,
+        max_tokens=MAX_TOKENS,
         ignore_eos=True,
     )
 

@@ -10,9 +10,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from common.process import free_port, port_is_free
+from common.server import RoleServer, Service
 from connector import EmbeddedRedis
-from epd.process import free_port, port_is_free
-from epd.server import RoleServer, Service
 from proto import epd_pb2, epd_pb2_grpc
 from tests.helpers import write_config
 

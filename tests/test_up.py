@@ -15,8 +15,8 @@ import grpc
 import psutil
 import pytest
 
-from epd.health import health_status
-from epd.process import epd_command, free_port, port_is_free
+from common.health import health_status
+from common.process import epd_command, free_port, port_is_free
 from proto import epd_pb2, epd_pb2_grpc
 
 

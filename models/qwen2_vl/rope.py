@@ -18,6 +18,8 @@ from typing import Literal
 
 import torch
 
+from models.layers import inverse_frequencies
+
 
 @dataclass(frozen=True)
 class MediaSpan:
@@ -87,18 +89,6 @@ def mrope_decode_positions(start: int, count: int, delta: int) -> torch.Tensor:
     return (torch.arange(start, start + count) + delta).expand(3, -1).clone()
 
 
-def inverse_frequencies(dim: int, theta: float) -> torch.Tensor:
-    """[dim / 2] float32, as the reference computes them."""
-    # NOTE: an explicit CPU device, so a model built under torch.device("meta") gets real values.
-    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
-    return 1.0 / (theta ** (steps / dim))
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class MRotaryEmbedding(torch.nn.Module):
     """cos / sin [T, head_dim] for M-RoPE positions [3, T] (or plain positions [T])."""
 
@@ -119,9 +109,3 @@ class MRotaryEmbedding(torch.nn.Module):
         freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by cos / sin [T, head_dim]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + rotate_half(x) * sin

@@ -15,23 +15,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import AttentionBackend
-from models.checkpoint import load_tensors
-from models.config import CheckpointError, TextConfig, load_arch_config
-from models.rope import MRotaryEmbedding, apply_rotary
+from models.checkpoint import CheckpointError, load_tensors, strip_prefixes
+from models.layers import RMSNorm, apply_rotary
+from models.qwen2_vl.config import TextConfig
+from models.qwen2_vl.rope import MRotaryEmbedding
+
+# Released checkpoints name the LM's tensors `model.X`, transformers >= 5
+# `model.language_model.X`; the head is `lm_head.weight` in both.
+_LM_TENSORS = strip_prefixes("model.language_model.", "model.", exclude=("model.visual.",))
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: normalised in float32, cast back, then scaled: the reference's rounding order.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+def lm_tensor(name: str) -> str | None:
+    return name if name == "lm_head.weight" else _LM_TENSORS(name)
 
 
 class Qwen2Attention(nn.Module):
@@ -111,15 +106,15 @@ class Qwen2LanguageModel(nn.Module):
     def from_checkpoint(
         cls,
         checkpoint_dir: str | Path,
+        config: TextConfig,
         attn_backend: AttentionBackend,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> Qwen2LanguageModel:
         """Build the LM and load its tensors (never the vision tower's)."""
-        config = load_arch_config(checkpoint_dir).text
         with torch.device("meta"):
             model = cls(config, attn_backend)
-        model.load_weights(load_tensors(checkpoint_dir, "lm", dtype, device))
+        model.load_weights(load_tensors(checkpoint_dir, lm_tensor, "lm", dtype, device))
         return model.to(device).eval()
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:

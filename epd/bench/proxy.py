@@ -22,9 +22,9 @@ import time
 import grpc
 from PIL import Image
 
-from epd.config import load_config
+from common.config import load_config
+from common.server import GRPC_OPTIONS
 from epd.launcher import LocalCluster
-from epd.server import GRPC_OPTIONS
 from proto import epd_pb2, epd_pb2_grpc
 
 

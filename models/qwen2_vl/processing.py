@@ -21,7 +21,6 @@ import io
 import math
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,9 +28,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from models.config import CheckpointError, ProcessorConfig, load_processor_configs
+from models.checkpoint import CheckpointError
+from models.media import MediaError, MediaGrid, MediaInput, ProcessedMedia
+from models.qwen2_vl.config import ProcessorConfig, load_processor_configs
 
-Modality = Literal["image", "video"]
+VisionModality = Literal["image", "video"]
 
 # Our own decompression-bomb limit, checked on the header before any pixel is decoded.
 # NOTE: keep it under twice Pillow's global MAX_IMAGE_PIXELS (179 MP), where Pillow refuses too.
@@ -41,31 +42,6 @@ DEFAULT_MAX_FRAMES = 768
 MAX_ASPECT_RATIO = 200
 # Processor kwargs a request may set per item.
 ITEM_KWARGS = frozenset({"min_pixels", "max_pixels", "size"})
-
-
-class MediaError(ValueError):
-    """Media bytes or per-item settings we cannot use. `reason` says what is wrong."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
-        super().__init__(reason)
-
-
-@dataclass(frozen=True)
-class MediaGrid:
-    """What an item becomes, known from its header: the patch grid and its placeholder count."""
-
-    modality: Modality
-    grid_thw: tuple[int, int, int]  # patches along (time, height, width)
-    num_tokens: int  # placeholder tokens = grid_t * grid_h * grid_w / merge_size**2
-    # Video only: seconds covered by one temporal patch (temporal_patch_size / fps).
-    second_per_grid_t: float | None = None
-
-
-@dataclass(frozen=True)
-class ProcessedMedia:
-    grid: MediaGrid
-    pixel_values: torch.Tensor  # [grid_t * grid_h * grid_w, C * T * P * P] float32
 
 
 def smart_resize(
@@ -113,6 +89,31 @@ class MediaProcessor:
         image, video = load_processor_configs(checkpoint_dir)
         return cls(image, video, **limits)
 
+    # -- what the roles call (models.family.MediaProcessor) -------------------------------------
+
+    def grid(self, item: MediaInput) -> MediaGrid:
+        """The item's patch grid and placeholder count, from its header(s) alone."""
+        if item.modality == "image":
+            return self.image_grid(item.image, item.kwargs)
+        if item.modality == "video":
+            return self.video_grid(item.frames, item.fps, item.kwargs)
+        raise MediaError(f"{item.modality} items: this model takes images and video")
+
+    def preprocess(self, item: MediaInput) -> ProcessedMedia:
+        """Decode and preprocess the item into the tower's input (CPU work, thread-safe)."""
+        if item.modality == "image":
+            return self.process_image(item.image, item.kwargs)
+        if item.modality == "video":
+            return self.process_video(item.frames, item.fps, item.kwargs)
+        raise MediaError(f"{item.modality} items: this model takes images and video")
+
+    def warmup_item(self) -> MediaInput:
+        """A small synthetic image: what an encoder runs once before it says SERVING."""
+        side = 2 * self.image_config.factor
+        buf = io.BytesIO()
+        Image.new("RGB", (side, side), (127, 127, 127)).save(buf, "PNG")
+        return MediaInput("image", image=buf.getvalue())
+
     # -- header only ---------------------------------------------------------------------------
 
     def image_grid(self, data: bytes, kwargs: dict[str, Any] | None = None) -> MediaGrid:
@@ -155,7 +156,7 @@ class MediaProcessor:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _config(self, modality: Modality, kwargs: dict[str, Any] | None) -> ProcessorConfig:
+    def _config(self, modality: VisionModality, kwargs: dict[str, Any] | None) -> ProcessorConfig:
         base = self.image_config if modality == "image" else self.video_config
         if not kwargs:
             return base
@@ -183,7 +184,7 @@ class MediaProcessor:
 
     def _grid(
         self,
-        modality: Modality,
+        modality: VisionModality,
         num_frames: int,
         height: int,
         width: int,

@@ -24,12 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.checkpoint import load_tensors
-from models.config import CheckpointError, VisionConfig, load_arch_config
-from models.qwen2 import RMSNorm
-from models.rope import inverse_frequencies, rotate_half
+from models.checkpoint import CheckpointError, load_tensors, strip_prefixes
+from models.layers import RMSNorm, inverse_frequencies, rotate_half
+from models.qwen2_vl.config import VisionConfig
 
 GridTHW = Sequence[tuple[int, int, int]] | torch.Tensor
+
+# Released checkpoints name the tower's tensors `visual.X`, transformers >= 5 `model.visual.X`.
+VISION_TENSORS = strip_prefixes("visual.", "model.visual.")
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -94,7 +96,7 @@ class Qwen25VisionMLP(nn.Module):
 
 
 def _norm(config: VisionConfig, dim: int) -> nn.Module:
-    if config.family == "qwen2_vl":
+    if config.layer_norm:
         return nn.LayerNorm(dim, eps=1e-6)
     return RMSNorm(dim, eps=1e-6)
 
@@ -105,7 +107,7 @@ class VisionBlock(nn.Module):
         self.norm1 = _norm(config, config.hidden_size)
         self.norm2 = _norm(config, config.hidden_size)
         self.attn = VisionAttention(config)
-        mlp = Qwen2VisionMLP if config.family == "qwen2_vl" else Qwen25VisionMLP
+        mlp = Qwen25VisionMLP if config.gated_mlp else Qwen2VisionMLP
         self.mlp = mlp(config)
 
     def forward(
@@ -143,7 +145,7 @@ class VisionTower(nn.Module):
         # 2-D rotary: a quarter of head_dim rotates with the row, a quarter with the column.
         freqs = inverse_frequencies(config.head_dim // 2, config.rope_theta)
         self.register_buffer("inv_freq", freqs, persistent=False)
-        if config.family == "qwen2_5_vl":
+        if config.window_size:
             merged_window = config.window_size // config.spatial_merge_size // config.patch_size
             if merged_window < 1:
                 raise CheckpointError(
@@ -154,14 +156,14 @@ class VisionTower(nn.Module):
     def from_checkpoint(
         cls,
         checkpoint_dir: str | Path,
+        config: VisionConfig,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> VisionTower:
         """Build the tower and load its tensors (never the LM's)."""
-        config = load_arch_config(checkpoint_dir).vision
         with torch.device("meta"):
             tower = cls(config)
-        tensors = load_tensors(checkpoint_dir, "vision", dtype, device)
+        tensors = load_tensors(checkpoint_dir, VISION_TENSORS, "vision", dtype, device)
         missing, unexpected = tower.load_state_dict(tensors, strict=False, assign=True)
         if missing or unexpected:
             raise CheckpointError(
@@ -194,7 +196,7 @@ class VisionTower(nn.Module):
         x = self.patch_embed(pixel_values.to(device))  # [N, hidden]
         cos, sin = self._rotary(grids, device)  # [N, head_dim] float32
         frames = _Segments.of([h * w for t, h, w in grids for _ in range(t)], device)
-        if self.config.family == "qwen2_vl":
+        if not self.config.window_size:
             for block in self.blocks:
                 x = block(x, cos, sin, frames)
             merged = self.merger(x)

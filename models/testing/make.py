@@ -1,4 +1,5 @@
-"""Write a random Qwen2-VL / Qwen2.5-VL checkpoint in the Hugging Face layout.
+"""Write a random Qwen2-VL / Qwen2.5-VL checkpoint in the Hugging Face layout (test support:
+no role server imports this).
 
 No machine here can download weights, so tests and benchmarks run on checkpoints this module
 writes: config.json, generation_config.json, model.safetensors (or shards plus
@@ -23,6 +24,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
+
+from models.checkpoint import read_header, weight_map
+from models.qwen2_vl.vision import VISION_TENSORS
 
 Arch = Literal["qwen2_vl", "qwen2_5_vl"]
 Size = Literal["tiny", "small"]
@@ -211,8 +215,6 @@ def make_checkpoint(
 
 def count_parameters(out_dir: str | Path) -> dict[str, int]:
     """Parameters per role of a checkpoint (the LM counts a tied head once)."""
-    from models.checkpoint import local_name, read_header, weight_map
-
     root = Path(out_dir)
     counts = {"vision": 0, "lm": 0}
     for file in sorted(set(weight_map(root).values())):
@@ -220,7 +222,7 @@ def count_parameters(out_dir: str | Path) -> dict[str, int]:
             numel = 1
             for d in info["shape"]:
                 numel *= d
-            role = "vision" if local_name(name, "vision") is not None else "lm"
+            role = "vision" if VISION_TENSORS(name) is not None else "lm"
             counts[role] += numel
     return counts
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import socket
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -84,6 +85,20 @@ def parse_address(value: str, key: str = "") -> tuple[str, int]:
     if not 0 < port_num < 65536:
         raise ConfigError(key, f"port must be in 1..65535, got {port_num} in {value!r}")
     return host, port_num
+
+
+def advertised_address(listen: str, advertise: str | None) -> str:
+    """The address others dial: `advertise` if set, else `listen` with a wildcard host
+    replaced by this host's primary address."""
+    if advertise:
+        return advertise
+    host, port = parse_address(listen)
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+    return f"{host}:{port}"
 
 
 def _check_port(key: str, port: int) -> None:
@@ -159,6 +174,19 @@ class ConnectorConfig:
         _check_positive("op_timeout_seconds", self.op_timeout_seconds)
         if self.retries < 0:
             raise ConfigError("retries", f"must be >= 0, got {self.retries}")
+
+    def connector_options(self, local_tier: bool = False) -> dict[str, Any]:
+        """The EC connector's constructor keywords (connector/ takes plain values, never this
+        config). Only consumers (LM workers) keep a local tier."""
+        assert self.url is not None, "ClusterConfig.check_role refuses a missing connector.url"
+        return {
+            "url": self.url,
+            "namespace": self.namespace,
+            "ttl_seconds": self.ttl_seconds,
+            "local_tier_bytes": self.local_cache_bytes if local_tier else 0,
+            "op_timeout": self.op_timeout_seconds,
+            "retries": self.retries,
+        }
 
 
 @dataclass(frozen=True)
@@ -251,6 +279,11 @@ class EncoderConfig:
             )
         _check_metrics_port(self.metrics_port, self.listen)
 
+    @property
+    def address(self) -> str:
+        """Where the proxy dials this worker (what it registers)."""
+        return advertised_address(self.listen, self.advertise)
+
 
 @dataclass(frozen=True)
 class LMConfig:
@@ -300,6 +333,11 @@ class LMConfig:
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
         _check_metrics_port(self.metrics_port, self.listen)
 
+    @property
+    def address(self) -> str:
+        """Where the proxy dials this worker (what it registers)."""
+        return advertised_address(self.listen, self.advertise)
+
 
 @dataclass(frozen=True)
 class RegistryConfig:
@@ -329,6 +367,19 @@ class ClusterConfig:
     lm: LMConfig = field(default_factory=LMConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     log_level: LogLevel = "info"
+
+    def heartbeat_options(self, kind: Literal["encoder", "lm"]) -> dict[str, Any] | None:
+        """connector.registry.Heartbeat's keywords for a worker of `kind`; None with the
+        registry off."""
+        if not self.registry.enabled:
+            return None
+        return {
+            "url": self.connector.url,
+            "namespace": self.connector.namespace,
+            "role": kind,
+            "address": getattr(self, kind).address,
+            "interval": self.registry.heartbeat_seconds,
+        }
 
     def check_role(self, role: str) -> None:
         """Refuse, before anything starts, what `role` cannot run with."""
@@ -588,6 +639,7 @@ __all__ = [
     "ModelConfig",
     "ProxyConfig",
     "RegistryConfig",
+    "advertised_address",
     "cache_dir",
     "config_to_dict",
     "dump_config",

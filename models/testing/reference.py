@@ -8,7 +8,7 @@ it token for token against transformers; the LM worker's tests use it for expect
     ids = model.generate(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}],
         media=[ImageItem(png_bytes)],
-        max_new_tokens=32,
+        max_tokens=32,
     )
 """
 
@@ -21,13 +21,21 @@ from typing import Any
 
 import torch
 
-from models.attention import ContiguousKVAttention
-from models.config import load_arch_config
-from models.processing import MediaProcessor, ProcessedMedia
-from models.qwen2 import Qwen2LanguageModel
-from models.rope import MediaSpan, mrope_decode_positions, mrope_positions, num_placeholder_tokens
-from models.tokenizer import Tokenizer, expand_placeholders
-from models.vision import VisionTower
+from models.media import ProcessedMedia
+from models.qwen2_vl.config import load_arch_config
+from models.qwen2_vl.language_model import Qwen2LanguageModel
+from models.qwen2_vl.processing import MediaProcessor
+from models.qwen2_vl.rope import (
+    MediaSpan,
+    mrope_decode_positions,
+    mrope_positions,
+    num_placeholder_tokens,
+)
+from models.qwen2_vl.vision import VisionTower
+from models.registry import load_family
+from models.sampling import SamplingParams, new_generator, sample_row
+from models.testing.attention import ContiguousKVAttention
+from models.tokenizer import expand_placeholders
 
 # A prompt: chat messages (rendered with the checkpoint's template), raw text, or token ids.
 # Each media item appears as one <|image_pad|> / <|video_pad|> token.
@@ -50,17 +58,6 @@ class VideoItem:
 MediaItem = ImageItem | VideoItem
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 32
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-
-
 @dataclass
 class PreparedPrompt:
     """A prompt with its placeholders expanded and its media preprocessed."""
@@ -80,11 +77,13 @@ class ReferenceModel:
         device: torch.device | str = "cpu",
     ):
         self.arch = load_arch_config(checkpoint_dir)
-        self.tokenizer = Tokenizer.from_dir(checkpoint_dir)
+        self.tokenizer = load_family(checkpoint_dir).tokenizer()
         self.processor = MediaProcessor.from_checkpoint(checkpoint_dir)
-        self.tower = VisionTower.from_checkpoint(checkpoint_dir, dtype, device)
+        self.tower = VisionTower.from_checkpoint(checkpoint_dir, self.arch.vision, dtype, device)
         self.attention = ContiguousKVAttention(self.arch.text.num_layers)
-        self.lm = Qwen2LanguageModel.from_checkpoint(checkpoint_dir, self.attention, dtype, device)
+        self.lm = Qwen2LanguageModel.from_checkpoint(
+            checkpoint_dir, self.arch.text, self.attention, dtype, device
+        )
         self.device = torch.device(device)
         self._next_seq_id = 0
 
@@ -161,8 +160,9 @@ class ReferenceModel:
         params: SamplingParams | None = None,
         **sampling: Any,
     ) -> list[int]:
-        """Generated token ids (the prompt excluded) for one prompt."""
-        params = params or SamplingParams(**sampling)
+        """Generated token ids (the prompt excluded) for one prompt. Keyword sampling settings
+        are SamplingParams' fields; NOTE: unlike the API, the reference defaults to greedy."""
+        params = params or SamplingParams(**{"temperature": 0.0, **sampling})
         return self.generate_many([self.prepare(prompt, media)], params)[0]
 
     @torch.inference_mode()
@@ -170,9 +170,11 @@ class ReferenceModel:
         self, prompts: Sequence[PreparedPrompt], params: SamplingParams
     ) -> list[list[int]]:
         """Prefill all prompts packed in one forward, then decode them together, one token per
-        sequence per step, until each stops (eos, a stop token or max_new_tokens)."""
+        sequence per step, until each stops (eos, a stop token or max_tokens)."""
+        if params.max_tokens is None:
+            raise ValueError("the reference path needs max_tokens")
         seqs = [_Sequence(self._new_seq_id(), len(p.token_ids)) for p in prompts]
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        generator = new_generator(params.seed)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops |= set(self.arch.tokens.eos_token_ids)
@@ -188,7 +190,7 @@ class ReferenceModel:
                     live, sample(logits, params, generator).tolist(), strict=True
                 ):
                     seq.output.append(token)
-                    seq.done = token in stops or len(seq.output) >= params.max_new_tokens
+                    seq.done = token in stops or len(seq.output) >= params.max_tokens
                 live = [s for s in live if not s.done]
                 if not live:
                     break
@@ -249,23 +251,14 @@ class _Sequence:
 
 
 def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> torch.Tensor:
-    """Next token per row of logits [B, vocab]: argmax at temperature 0, else top-k / top-p."""
-    if params.temperature <= 0:
+    """Next token per row of logits [B, vocab]: argmax at temperature 0, else drawn row by row
+    (models.sampling, as the engine draws)."""
+    if params.greedy:
         return logits.argmax(dim=-1)
-    scores = logits.float() / params.temperature
-    if params.top_k > 0:
-        kth = scores.topk(min(params.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_scores, order = scores.sort(dim=-1, descending=True)
-        cumulative = sorted_scores.softmax(-1).cumsum(-1)
-        # Drop a token when the ones ranked above it already reach top_p.
-        drop = cumulative - sorted_scores.softmax(-1) >= params.top_p
-        scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
-    probs = scores.softmax(-1)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).view(-1).to(logits.device)
+    tokens = [sample_row(row, params, generator) for row in logits]
+    return torch.tensor(tokens, device=logits.device)
 
 
 def generate(

@@ -26,13 +26,14 @@ import numpy as np
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
+from common.config import ClusterConfig, ConnectorConfig, EncoderConfig, ModelConfig
+from common.served_model import ensure_builtin_model
 from connector import AsyncECConnector
 from connector.embedded import redis_or_embedded
 from encoder_worker.encoder import EncodeItem, MMEncoder
 from encoder_worker.metrics import EncoderMetrics
 from encoder_worker.tower import Tower, load_tower
-from epd.config import ClusterConfig, ConnectorConfig, EncoderConfig, ModelConfig, cache_dir
-from epd.media import MediaInput
+from models import MediaInput
 
 
 def noise_images(count: int, side: int) -> list[bytes]:
@@ -148,10 +149,8 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         checkpoint, model = Path(args.model), args.model
     else:
-        from models import ensure_builtin_model
-
         print("using the built-in small model (written on first use)", flush=True)
-        checkpoint, model = ensure_builtin_model(cache_dir()), "built-in small (qwen2_5_vl, random)"
+        checkpoint, model = ensure_builtin_model(), "built-in small (qwen2_5_vl, random)"
     with redis_or_embedded(args.redis_url) as (url, server):
         summary = asyncio.run(bench(args, checkpoint, model, url))
     summary["server"] = server

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 
 import redis
 import redis.asyncio as aioredis
 
 from connector.client import async_client
-from epd.config import ClusterConfig, parse_address
 
 logger = logging.getLogger(__name__)
 
@@ -29,28 +27,14 @@ def registry_key(namespace: str, role: str) -> str:
     return f"{namespace}:registry:{role}"
 
 
-def advertised_address(listen: str, advertise: str | None) -> str:
-    """The address others dial: `advertise` if set, else `listen` with a wildcard host
-    replaced by this host's primary address."""
-    if advertise:
-        return advertise
-    host, port = parse_address(listen)
-    if host in ("0.0.0.0", "::", ""):
-        try:
-            host = socket.gethostbyname(socket.gethostname())
-        except OSError:
-            host = "127.0.0.1"
-    return f"{host}:{port}"
-
-
 class Heartbeat:
     """A worker's announcement loop (started once SERVING, stopped when draining)."""
 
-    def __init__(self, config: ClusterConfig, role: str, address: str):
-        self.key = registry_key(config.connector.namespace, role)
+    def __init__(self, url: str, namespace: str, role: str, address: str, interval: float):
+        self.key = registry_key(namespace, role)
         self.address = address
-        self.interval = config.registry.heartbeat_seconds
-        self.client: aioredis.Redis = async_client(config.connector.url, retries=0)
+        self.interval = interval
+        self.client: aioredis.Redis = async_client(url, retries=0)
         self.task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -78,26 +62,6 @@ class Heartbeat:
                 await self._beat()
             except redis.RedisError as e:  # Redis away: keep trying, the TTL covers the gap
                 logger.warning("heartbeat to the registry failed: %s", e)
-
-
-class Registration:
-    """A role's place in the registry: `start` once SERVING, `stop` when draining (both no-ops
-    with the registry off). Pass them to run_role as on_serving / on_drain."""
-
-    def __init__(self, config: ClusterConfig, role: str, listen: str, advertise: str | None):
-        self.heartbeat = (
-            Heartbeat(config, role, advertised_address(listen, advertise))
-            if config.registry.enabled
-            else None
-        )
-
-    async def start(self) -> None:
-        if self.heartbeat is not None:
-            await self.heartbeat.start()
-
-    async def stop(self) -> None:
-        if self.heartbeat is not None:
-            await self.heartbeat.stop()
 
 
 async def live_workers(client: aioredis.Redis, namespace: str, role: str, ttl: float) -> set[str]:

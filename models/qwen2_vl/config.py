@@ -15,12 +15,13 @@ transformers reads them.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
+from models.checkpoint import CheckpointError, parse_dtype, read_json
 
 Family = Literal["qwen2_vl", "qwen2_5_vl"]
 
@@ -29,19 +30,9 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
 # CLIP statistics: the processors' defaults when a config leaves them out.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory we cannot use; the message names the file and the key."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +57,6 @@ class TextConfig:
 
 @dataclass(frozen=True)
 class VisionConfig:
-    family: Family
     depth: int
     hidden_size: int  # the tower's width ("embed_dim" in Qwen2-VL configs)
     num_heads: int
@@ -78,7 +68,11 @@ class VisionConfig:
     temporal_patch_size: int
     spatial_merge_size: int
     rope_theta: float
-    # Qwen2.5-VL only: window attention everywhere except these blocks.
+    # Qwen2-VL: LayerNorm and a plain fc1 / fc2 MLP; Qwen2.5-VL: RMSNorm and a gated (SwiGLU) MLP.
+    layer_norm: bool = False
+    gated_mlp: bool = True
+    # Qwen2.5-VL: window attention (windows of window_size pixels) everywhere except these
+    # blocks; 0: full attention per frame in every block (Qwen2-VL).
     window_size: int = 0
     fullatt_block_indexes: tuple[int, ...] = ()
     # Qwen2.5-VL only: M-RoPE temporal positions per second of video.
@@ -147,16 +141,6 @@ class ProcessorConfig:
 VIDEO_DEFAULTS = ProcessorConfig(min_pixels=128 * 28 * 28, max_pixels=28 * 28 * 768)
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not readable JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
-
-
 def load_arch_config(checkpoint_dir: str | Path) -> ModelArchConfig:
     """config.json (+ generation_config.json when present) of a Qwen2-VL / Qwen2.5-VL checkpoint."""
     root = Path(checkpoint_dir)
@@ -182,7 +166,7 @@ def load_arch_config(checkpoint_dir: str | Path) -> ModelArchConfig:
     return ModelArchConfig(
         family=family,
         architecture=architecture,
-        dtype=_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype"), path),
+        dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype"), path),
         text=_text_config(cfg, text, path),
         vision=_vision_config(family, cfg.get("vision_config") or {}, path),
         tokens=_special_tokens(cfg, text, generation),
@@ -207,14 +191,6 @@ def load_processor_configs(checkpoint_dir: str | Path) -> tuple[ProcessorConfig,
     image = _processor_config(image_raw or {}, base=ProcessorConfig(), where=str(root))
     video = _processor_config(video_raw or {}, base=VIDEO_DEFAULTS, where=str(root))
     return image, video
-
-
-def _dtype(value: Any, path: Path) -> torch.dtype:
-    if value is None:
-        return torch.float32
-    if str(value).removeprefix("torch.") not in DTYPES:
-        raise CheckpointError(f"{path}: dtype {value!r}: supported are {sorted(DTYPES)}")
-    return DTYPES[str(value).removeprefix("torch.")]
 
 
 def _rope(text: dict[str, Any], path: Path) -> tuple[float, tuple[int, int, int]]:
@@ -274,7 +250,6 @@ def _text_config(cfg: dict[str, Any], text: dict[str, Any], path: Path) -> TextC
 def _vision_config(family: Family, v: dict[str, Any], path: Path) -> VisionConfig:
     rope = v.get("rope_parameters") or {}
     common = dict(
-        family=family,
         depth=int(v.get("depth", 32)),
         num_heads=int(v.get("num_heads", 16)),
         in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
@@ -290,6 +265,8 @@ def _vision_config(family: Family, v: dict[str, Any], path: Path) -> VisionConfi
             intermediate_size=int(embed_dim * v.get("mlp_ratio", 4)),
             hidden_act=v.get("hidden_act", "quick_gelu"),
             out_hidden_size=int(v.get("hidden_size", 3584)),
+            layer_norm=True,
+            gated_mlp=False,
             **common,
         )
     else:

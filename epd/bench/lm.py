@@ -20,10 +20,13 @@ from pathlib import Path
 
 import torch
 
-from epd.config import ClusterConfig, LMConfig, cache_dir
+from common.config import LMConfig
+from common.served_model import ensure_builtin_model
 from lm_worker.cpu_gemv import weight_bytes
-from lm_worker.engine import LMEngine, build_engine
-from lm_worker.request import Request, SamplingParams
+from lm_worker.engine import LMEngine
+from lm_worker.loader import build_engine
+from lm_worker.request import Request
+from models import SamplingParams, load_family
 
 PROMPT_LEN = 64
 
@@ -34,15 +37,14 @@ def _prompt(i: int) -> list[int]:
 
 class Ours:
     def __init__(self, model_dir: Path, max_num_seqs: int, device: str):
-        config = ClusterConfig(
-            lm=LMConfig(
-                device=device,
-                kv_cache_bytes=1 << 30,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max(2048, max_num_seqs),
-            )
+        lm = LMConfig(
+            device=device,
+            kv_cache_bytes=1 << 30,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(2048, max_num_seqs),
         )
-        self.engine: LMEngine = build_engine(config, str(model_dir), torch.float32, registry=None)
+        family = load_family(model_dir)
+        self.engine: LMEngine = build_engine(lm, family, torch.float32, registry=None)
         self.count = 0
 
     def run(self, streams: int, new_tokens: int) -> float:
@@ -111,10 +113,8 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         model_dir = Path(args.model)
     else:
-        from models import ensure_builtin_model
-
         print("using the built-in small model (written on first use)", flush=True)
-        model_dir = ensure_builtin_model(cache_dir())
+        model_dir = ensure_builtin_model()
     device = (
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )

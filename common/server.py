@@ -16,12 +16,15 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from common.config import parse_address
 
 logger = logging.getLogger(__name__)
 
@@ -186,31 +189,36 @@ async def run_role(
     return 0
 
 
+class Registration(Protocol):
+    """A worker's place in the registry (connector.registry.Heartbeat): `start` once SERVING,
+    `stop` when draining."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 async def run_worker(
-    config,  # ClusterConfig
-    kind: str,  # "encoder" | "lm": the config section and the registry role
+    section: Any,  # EncoderConfig | LMConfig: listen, metrics_port, drain_timeout_seconds
     server: RoleServer,
     load: Callable[[], Awaitable[None]],
     close: Callable[[], Awaitable[None]],
+    registration: Registration | None,
 ) -> int:
-    """A worker role's whole life: its /metrics server, run_role, registration in the registry
-    once SERVING (and out of it when draining), then `close`."""
-    from epd.registry import Registration
-
-    section = getattr(config, kind)
+    """A worker role's whole life: its /metrics server, run_role, its registration (None: the
+    registry is off) started once SERVING and stopped when draining, then `close`."""
     try:
         stop_metrics = serve_metrics(section.listen, section.metrics_port)
     except OSError as e:
         logger.error("%s", e)
         return 1
-    registration = Registration(config, kind, section.listen, section.advertise)
     try:
         return await run_role(
             server,
             load,
             section.drain_timeout_seconds,
-            on_serving=registration.start,
-            on_drain=registration.stop,
+            on_serving=registration.start if registration else None,
+            on_drain=registration.stop if registration else None,
         )
     finally:
         await close()
@@ -223,10 +231,6 @@ def serve_metrics(listen: str, port: int) -> Callable[[], None] | None:
     Returns its shutdown, or None when port is 0 (off). OSError when the port is taken."""
     if not port:
         return None
-    from prometheus_client import start_http_server
-
-    from epd.config import parse_address
-
     host, _ = parse_address(listen)
     try:
         server, _thread = start_http_server(port, host)

@@ -1,0 +1,114 @@
+"""Building an LM engine: the family's LM (never its encoders) on the chosen device, the KV cache
+sized to its budget, the CPU's linear kernels chosen, CUDA graphs captured, one warm-up step."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from common.config import LMConfig
+from common.device import resolve_device
+from lm_worker.attention import PagedAttention
+from lm_worker.block_manager import BlockManager
+from lm_worker.cpu_gemv import pack_linear_layers
+from lm_worker.engine import Emit, LMEngine
+from lm_worker.model_runner import ModelRunner
+from lm_worker.scheduler import Scheduler
+from models import ModelFamily
+
+logger = logging.getLogger(__name__)
+
+# Under CUDA graphs the decode attention reads max_model_len keys per sequence (static shapes):
+# without an explicit lm.max_model_len the context is capped here.
+DEFAULT_MAX_MODEL_LEN = 8192
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def build_engine(
+    lm: LMConfig,
+    family: ModelFamily,
+    dtype: torch.dtype,
+    emit: Emit | None = None,
+    registry: CollectorRegistry | None = REGISTRY,
+    pad_decodes: bool = False,
+) -> LMEngine:
+    """Load the family's LM, size the KV cache, capture graphs. `pad_decodes` is for tests
+    (graph-shaped inputs run eagerly on the CPU)."""
+    device = resolve_device(lm.device, "lm.device")
+    use_graphs = lm.cuda_graphs == "on" or (lm.cuda_graphs == "auto" and device.type == "cuda")
+    if use_graphs and device.type != "cuda":
+        raise RuntimeError("lm.cuda_graphs is on but the LM runs on the CPU: set it to auto or off")
+    text = family.text
+    max_model_len = lm.max_model_len or min(text.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > text.max_position_embeddings:
+        raise RuntimeError(
+            f"lm.max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{text.max_position_embeddings}"
+        )
+    attention = PagedAttention(lm.block_size, text.head_dim)
+    model = family.load_language_model(attention, dtype, device)
+    if device.type == "cpu":
+        pack_linear_layers(model)
+    num_blocks = _num_kv_blocks(lm, family, dtype, device)
+    attention.allocate(text.num_layers, num_blocks, text.num_kv_heads, text.head_dim, dtype, device)
+    logger.info(
+        "LM on %s (%s): %d KV blocks of %d tokens (%.2f GiB), context %d, CUDA graphs %s",
+        device,
+        dtype,
+        num_blocks,
+        lm.block_size,
+        attention.kv_cache.nbytes / 2**30,
+        max_model_len,
+        "on" if use_graphs else "off",
+    )
+    runner = ModelRunner(
+        model,
+        attention,
+        family.model_state,
+        block_size=lm.block_size,
+        max_num_seqs=lm.max_num_seqs,
+        max_num_batched_tokens=lm.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        device=device,
+        dtype=dtype,
+        use_graphs=use_graphs,
+        max_graph_batch_size=lm.max_graph_batch_size,
+        pad_decodes=pad_decodes,
+    )
+    runner.dummy_run(1)  # warm-up: kernels and allocator settle before the first request
+    blocks = BlockManager(num_blocks, lm.block_size, lm.enable_prefix_caching)
+    scheduler = Scheduler(blocks, lm.max_num_seqs, lm.max_num_batched_tokens)
+    return LMEngine(
+        runner,
+        scheduler,
+        family.tokenizer(),
+        family.eos_token_ids,
+        text.vocab_size,
+        max_model_len,
+        emit=emit,
+        registry=registry,
+    )
+
+
+def _num_kv_blocks(
+    lm: LMConfig, family: ModelFamily, dtype: torch.dtype, device: torch.device
+) -> int:
+    """KV blocks that fit `lm.kv_cache_bytes` (auto: 90% of the free GPU memory after loading,
+    1 GiB on the CPU)."""
+    text = family.text
+    per_block = PagedAttention.bytes_per_block(
+        text.num_layers, lm.block_size, text.num_kv_heads, text.head_dim, dtype
+    )
+    budget = int(lm.kv_cache_bytes)
+    if budget == 0:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * 0.9)
+        else:
+            budget = CPU_KV_CACHE_BYTES
+    num_blocks = budget // per_block
+    if num_blocks < 2:
+        raise RuntimeError(f"lm.kv_cache_bytes {budget} holds no KV block ({per_block} bytes each)")
+    return num_blocks

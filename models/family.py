@@ -1,0 +1,227 @@
+"""The model-family interface: everything a role needs from a model, behind one object.
+
+The roles never name a model class, a family or a modality. They load the family of the
+checkpoint they serve (`models.load_family(path)`, which reads config.json's `architectures`)
+and ask it:
+
+    proxy     tokenizer(), placeholder_token_ids, processor().grid(item) (headers only),
+              modalities, fingerprint(dtype), text.max_position_embeddings
+    encoder   processor().preprocess(item), load_encoder(dtype, device), processor().warmup_item()
+    LM        text (sizes), eos_token_ids, tokenizer(), load_language_model(backend, dtype,
+              device), model_state(model)
+
+A family is one module (or package) under models/ plus one line in models/registry.py.
+Per-family behaviour inside the LM runner goes through `ModelState` (vLLM's model_states):
+position scheme, the multimodal-pruning hook, what graph capture feeds the model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+import torch
+
+from models.attention import AttentionBackend
+from models.media import MediaGrid, MediaInput, MMFeature, Modality, ProcessedMedia
+from models.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class TextDims:
+    """The LM's sizes: what the LM worker sizes its KV cache, buffers and checks by."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+
+
+class MediaProcessor(Protocol):
+    """A family's media preprocessing (thread-safe; every problem raises MediaError)."""
+
+    def grid(self, item: MediaInput) -> MediaGrid:
+        """The item's placeholder count (and grid) from its header alone: no decoding."""
+        ...
+
+    def preprocess(self, item: MediaInput) -> ProcessedMedia:
+        """Decode and preprocess the item into its encoder's input (CPU work)."""
+        ...
+
+    def warmup_item(self) -> MediaInput:
+        """A small synthetic item an encoder runs once before it says SERVING."""
+        ...
+
+
+class MediaEncoder(Protocol):
+    """A family's encoder(s): items in, one [num_tokens, width] embedding per item out."""
+
+    width: int  # channels per embedding (the LM's hidden size)
+    dtype: torch.dtype
+    device: torch.device
+
+    def embed(self, batch: Sequence[ProcessedMedia]) -> list[torch.Tensor]:
+        """One forward over `batch` (any mix of the family's modalities); one output per item,
+        in order, on the encoder's device and in its dtype."""
+        ...
+
+
+class LanguageModel(Protocol):
+    """What the LM runner calls on a family's language model (an nn.Module)."""
+
+    # Capabilities, read once by the runner.
+    requires_raw_input_tokens: bool  # forward needs input_ids even when embeddings are given
+    supports_realtime: bool  # decode steps take per-position embeddings (streaming audio)
+    supports_multimodal_pruning: bool  # pruned (EVS) embeddings, wider than the hidden size
+
+    def embed_input_ids(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        mm_embeds: list[torch.Tensor] | None = None,  # each [n_i, hidden]
+        is_mm_embed: torch.Tensor | None = None,  # [T] bool
+    ) -> torch.Tensor:  # [T, hidden]
+        ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor | None,  # [T]; None when inputs_embeds is given
+        positions: torch.Tensor,  # [axes, T] or [T] (ModelState.position_axes)
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]
+        attn_metadata: Any = None,
+        intermediate_tensors: Any = None,
+    ) -> torch.Tensor:  # [T, hidden]
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab]
+        ...
+
+
+class EmbeddingMismatch(ValueError):
+    """An embedding that cannot fill its placeholders (wrong width or row count)."""
+
+
+class ModelState:
+    """A family's hooks in the LM runner (vLLM's ModelState). This default: plain 1-D
+    positions, embeddings taken as they are, capture fed from the runner's buffer.
+
+    - `rope_state` / `positions`: the position scheme. The runner's positions buffer is
+      [position_axes, T]; a request's per-request state (e.g. M-RoPE's prompt positions and
+      decode delta) is made once when it arrives and kept on the request;
+    - `process_mm_embeds`: checks one fetched embedding before it is used; the pruning hook
+      (EVS: pruned video embeddings carry their positions as trailing channels);
+    - `dummy_inputs_embeds`: what warm-up and CUDA-graph capture feed the model instead of
+      running an encoder: a slice of the runner's preallocated buffer (`inputs_embeds`, set by
+      the runner once it has allocated its buffers).
+    """
+
+    position_axes: ClassVar[int] = 1
+
+    def __init__(self, model: LanguageModel, hidden_size: int):
+        self.model = model
+        self.hidden_size = hidden_size
+        self.inputs_embeds: torch.Tensor | None = None  # the runner's [max_tokens, hidden]
+
+    def rope_state(self, num_prompt_tokens: int, features: Sequence[MMFeature]) -> Any:
+        """Per-request position state, made once when the request arrives."""
+        return None
+
+    def positions(
+        self, rope: Any, num_prompt_tokens: int, start: int, end: int
+    ) -> np.ndarray:  # [position_axes, end - start] int64
+        """Positions of the request's tokens at sequence indices [start, end)."""
+        return np.arange(start, end, dtype=np.int64)[None]
+
+    def process_mm_embeds(
+        self, mm_hash: str, embeds: torch.Tensor, num_embeds: int
+    ) -> torch.Tensor:
+        """Check (and for pruning models, reshape) one fetched embedding before it is used."""
+        if embeds.dim() != 2:
+            raise EmbeddingMismatch(f"embedding {mm_hash} has shape {tuple(embeds.shape)}, not 2-D")
+        width = embeds.shape[1]
+        if width != self.hidden_size:
+            if width > self.hidden_size and not self.model.supports_multimodal_pruning:
+                raise EmbeddingMismatch(
+                    f"embedding {mm_hash} is {width} wide, the model's hidden size is "
+                    f"{self.hidden_size}: pruned (EVS) embeddings need a model with multimodal "
+                    "pruning"
+                )
+            raise EmbeddingMismatch(
+                f"embedding {mm_hash} is {width} wide; the hidden size is {self.hidden_size}"
+            )
+        if embeds.shape[0] != num_embeds:
+            raise EmbeddingMismatch(
+                f"embedding {mm_hash} has {embeds.shape[0]} rows for {num_embeds} placeholder "
+                "embeddings in the prompt"
+            )
+        return embeds
+
+    def dummy_inputs_embeds(self, num_tokens: int) -> torch.Tensor:
+        return self.inputs_embeds[:num_tokens]
+
+
+class ModelFamily(ABC):
+    """One checkpoint of one family. Cheap to construct: it reads the checkpoint's JSON files;
+    weights load only when a role asks for its module."""
+
+    architectures: ClassVar[tuple[str, ...]]  # config.json `architectures` it serves
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    # -- what the checkpoint is ----------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def architecture(self) -> str: ...
+
+    @property
+    @abstractmethod
+    def dtype(self) -> torch.dtype:
+        """The dtype the weights were saved in (`model.dtype: auto`)."""
+
+    @property
+    @abstractmethod
+    def modalities(self) -> tuple[Modality, ...]: ...
+
+    @property
+    @abstractmethod
+    def text(self) -> TextDims: ...
+
+    @property
+    @abstractmethod
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    @abstractmethod
+    def placeholder_token_ids(self) -> dict[Modality, int]:
+        """The one placeholder token a prompt holds per media item, by modality."""
+
+    # -- what the roles load -------------------------------------------------------------------
+
+    @abstractmethod
+    def tokenizer(self) -> Tokenizer: ...
+
+    @abstractmethod
+    def processor(self, max_image_pixels: int | None = None) -> MediaProcessor: ...
+
+    @abstractmethod
+    def fingerprint(self, dtype: torch.dtype) -> str:
+        """A short id of everything that decides the encoders' outputs (checkpoint, processor
+        settings, `dtype`): the EC connector's key component."""
+
+    @abstractmethod
+    def load_encoder(self, dtype: torch.dtype, device: torch.device) -> MediaEncoder: ...
+
+    @abstractmethod
+    def load_language_model(
+        self, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+    ) -> LanguageModel: ...
+
+    def model_state(self, model: LanguageModel) -> ModelState:
+        return ModelState(model, self.text.hidden_size)

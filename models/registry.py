@@ -1,0 +1,47 @@
+"""Which family serves a checkpoint: config.json's `architectures` -> the family's class.
+
+Adding a family is its own module under models/ plus one line here. Family modules are
+imported only when a checkpoint of theirs is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from models.checkpoint import CheckpointError, read_json
+from models.family import ModelFamily
+
+# architecture (config.json) -> "module:FamilyClass"
+FAMILIES: dict[str, str] = {
+    "Qwen2VLForConditionalGeneration": "models.qwen2_vl:Qwen2VLFamily",
+    "Qwen2_5_VLForConditionalGeneration": "models.qwen2_vl:Qwen2VLFamily",
+}
+
+
+def family_class(architecture: str) -> type[ModelFamily]:
+    module, _, name = FAMILIES[architecture].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_family(checkpoint_dir: str | Path) -> ModelFamily:
+    """The family object of a checkpoint directory (reads its JSON files, no weights)."""
+    root = Path(checkpoint_dir)
+    path = root / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"{root}: no config.json (is this a checkpoint directory?)")
+    cfg = read_json(path)
+    known = [a for a in cfg.get("architectures") or [] if a in FAMILIES]
+    if not known and cfg.get("model_type"):  # no architectures list: go by model_type
+        known = [a for a in FAMILIES if _squash(a).startswith(_squash(cfg["model_type"]) + "for")]
+    if not known:
+        raise CheckpointError(
+            f"{path}: architectures {cfg.get('architectures')} / model_type "
+            f"{cfg.get('model_type')!r}: supported are {sorted(FAMILIES)}"
+        )
+    return family_class(known[0])(root)
+
+
+def _squash(name: str) -> str:
+    """'Qwen2_5_VLForConditionalGeneration' and 'qwen2_5_vl' compare as 'qwen25vl...'."""
+    return str(name).replace("_", "").lower()

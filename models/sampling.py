@@ -1,0 +1,66 @@
+"""Sampling settings and the distribution they define: one definition for the LM engine and
+the reference path, so both draw from the same probabilities."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int | None = None  # None: until a stop, or the context is full
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; N: the sampled token's and the N most likely
+
+    def __post_init__(self):
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in 0..20, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def new_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with `seed`, or at random."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token drawn from logits [vocab] at params' temperature, top-k and top-p.
+
+    NOTE: on the CPU, where the generator lives, so a seed gives the same tokens on every
+    device."""
+    row = logits.float().cpu() / params.temperature
+    if params.top_k and params.top_k < row.shape[0]:
+        kth = row.topk(params.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always the most likely token).
+        drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))

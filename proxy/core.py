@@ -1,0 +1,115 @@
+"""The proxy's core: everything a request needs, shared by both APIs (gRPC in server.py, HTTP
+in http.py) and read by the dashboard. It imports neither of them.
+
+Start-up (made by server.py once Redis answers): the served model (tokenizer, header-only media
+processor, fingerprint), the EC connector, the worker pools. Each request: prepare
+(proxy/prepare.py) -> run (proxy/frontend.py), with admission control and latency metrics here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from common.config import ClusterConfig
+from common.media import MODALITIES
+from common.served_model import ServedModel
+from connector import AsyncECConnector
+from connector.client import async_client
+from proto import epd_pb2, epd_pb2_grpc
+from proxy.frontend import Chunk, Frontend
+from proxy.metrics import ProxyMetrics
+from proxy.prepare import PreparedRequest, RequestBuilder
+from proxy.workers import WorkerPool
+
+
+class Overloaded(RuntimeError):
+    """Every slot is taken (RESOURCE_EXHAUSTED / HTTP 429)."""
+
+
+class ModelNotFound(LookupError):
+    pass
+
+
+class Proxy:
+    """Everything a request needs, shared by both APIs."""
+
+    def __init__(self, config: ClusterConfig, served: ServedModel, metrics: ProxyMetrics):
+        self.config = config
+        self.served = served
+        self.metrics = metrics
+        self.builder = RequestBuilder(served)
+        family = served.family
+        self.card = epd_pb2.ModelCard(
+            id=served.name,
+            architecture=family.architecture,
+            max_model_len=family.text.max_position_embeddings,
+            modalities=[MODALITIES[m] for m in family.modalities],
+        )
+        c = config
+        self.connector = AsyncECConnector(
+            fingerprint=served.fingerprint, **c.connector.connector_options()
+        )
+        self.redis = async_client(c.connector.url)
+        gauges = {"up_gauge": metrics.worker_up, "circuit_gauge": metrics.worker_circuit_open}
+        self.encoders = WorkerPool(
+            "encoder", epd_pb2_grpc.EncoderStub, c.proxy.encoders, c, self.redis, **gauges
+        )
+        self.lms = WorkerPool(
+            "lm", epd_pb2_grpc.LanguageModelStub, c.proxy.lm_workers, c, self.redis, **gauges
+        )
+        self.frontend = Frontend(self.connector, self.encoders, self.lms, metrics, c.proxy.retries)
+        self.pending = 0
+
+    async def start(self) -> None:
+        await self.encoders.start()
+        await self.lms.start()
+
+    async def close(self) -> None:
+        await self.encoders.close()
+        await self.lms.close()
+        await self.connector.close()
+        await self.redis.aclose()
+
+    def check_model(self, name: str) -> None:
+        if name and name != self.served.name:
+            raise ModelNotFound(f"The model `{name}` does not exist.")
+
+    async def prepare(self, build, prompt, media, *args) -> PreparedRequest:
+        """Hashing media and reading its headers is CPU work: off the event loop. A text-only
+        prompt costs tens of microseconds, less than the hop to a thread."""
+        if not media:
+            return build(prompt, media, *args)
+        return await asyncio.to_thread(build, prompt, media, *args)
+
+    async def run(self, prepared: PreparedRequest, timeout: float | None) -> AsyncIterator[Chunk]:
+        """The request's chunks, with admission control, deadline and latency metrics."""
+        if self.pending >= self.config.proxy.max_pending_requests:
+            raise Overloaded(
+                f"{self.pending} requests are in flight (proxy.max_pending_requests); retry later"
+            )
+        limit = self.config.proxy.request_timeout_seconds
+        deadline = time.monotonic() + (min(timeout, limit) if timeout else limit)
+        self.pending += 1
+        self.metrics.pending.set(self.pending)
+        first = last = None
+        try:
+            async for chunk in self.frontend.generate(prepared, deadline):
+                now = time.monotonic()
+                if chunk.token_ids:
+                    if first is None:
+                        first = now
+                        self.metrics.observe_ttft(now - prepared.arrival)
+                    else:
+                        self.metrics.observe_itl(now - last)
+                    last = now
+                if chunk.timings is not None:
+                    if first is not None:
+                        chunk.timings.time_to_first_token_seconds = first - prepared.arrival
+                        chunk.timings.decode_seconds = now - first
+                    chunk.timings.total_seconds = now - prepared.arrival
+                yield chunk
+        finally:
+            self.pending -= 1
+            self.metrics.pending.set(self.pending)
