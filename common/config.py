@@ -307,6 +307,10 @@ class LMConfig:
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     # Largest decode batch captured; larger batches run eagerly.
     max_graph_batch_size: int = 64
+    # The CPU's linear kernel: auto (timed at start-up over the model's own layers, the fastest
+    # that matches F.linear; cached per CPU and model shape), linear (torch's F.linear), onednn
+    # (oneDNN on weights packed once).
+    cpu_linear: Literal["auto", "linear", "onednn"] = "auto"
     # How long a request may wait for its embeddings to appear in the cache.
     embedding_timeout_seconds: float = 120.0
     # On SIGTERM: how long running requests may take to finish before the worker exits.

@@ -61,7 +61,7 @@ def test_bench_lm(tiny_checkpoint):
         "--model",
         str(tiny_checkpoint),
         "--tokens",
-        "4",
+        "24",
         "--streams",
         "2",
         "--hf-batch",
@@ -71,6 +71,9 @@ def test_bench_lm(tiny_checkpoint):
     )
     assert summary["batch1_ours_tps"] > 0 and summary["batch1_hf_tps"] > 0
     assert summary["roofline_tps"] > 0 and summary["streams_vs_hf_batch"] > 0
+    assert summary["linear_kernel"] in ("linear", "onednn")
+    assert set(summary["read_bandwidth_gbps"]) == {"sum", "gemv"}
+    assert summary["hf_batch1_vs_roofline"] > 0
 
 
 @pytest.mark.timeout(300)
