@@ -24,7 +24,6 @@ from functools import partial
 
 import grpc
 
-from common.media import MODALITIES
 from connector import AsyncECConnector, ConnectorError
 from proto import epd_pb2
 from proxy.encode import RETRYABLE, EncodeDispatcher, Unavailable, backoff
@@ -149,19 +148,7 @@ class Frontend:
     async def _stream_lm(
         self, req: PreparedRequest, deadline: float, encode_watch: asyncio.Future
     ) -> AsyncIterator[Chunk]:
-        msg = epd_pb2.LMGenerateRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling
-        )
-        for item in req.items:
-            t, h, w = item.grid.grid_thw
-            msg.mm_features.add(
-                mm_hash=item.mm_hash,
-                modality=MODALITIES[item.grid.modality],
-                offset=item.offset,
-                length=item.length,
-                grid=epd_pb2.GridTHW(t=t, h=h, w=w),
-                second_per_grid_t=item.grid.second_per_grid_t or 0.0,
-            )
+        msg = req.lm_request()
         tried: set[str] = set()
         for attempt in range(self.retries):
             worker = self.lms.pick(exclude=tried) or self.lms.pick()

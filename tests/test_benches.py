@@ -94,3 +94,44 @@ def test_bench_proxy(tiny_checkpoint):
         str(free_port()),
     )
     assert summary["proxy_p50_ms"] > 0 and summary["held_vs_cold_ttft"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_serve(tiny_checkpoint, tmp_path):
+    plot = tmp_path / "serve.png"
+    summary = bench(
+        "serve",
+        "--model",
+        str(tiny_checkpoint),
+        "--num-requests",
+        "5",
+        "--request-rate",
+        "inf,10",
+        "--reuse",
+        "0.5",
+        "--output-tokens",
+        "4",
+        "--image-width",
+        "112",
+        "--image-height",
+        "84",
+        "--grpc-port",
+        str(free_port()),
+        "--http-port",
+        str(free_port()),
+        "--plot",
+        str(plot),
+    )
+    rows = summary["results"]
+    assert {(r["topology"], r["request_rate"]) for r in rows} == {
+        (t, rate) for t in ("e+pd", "aggregated") for rate in ("inf", 10.0)
+    }
+    for row in rows:
+        assert (row["completed"], row["failed"]) == (5, 0), row
+        assert row["ttft_ms"]["p50"] > 0 and row["itl_ms"]["p99"] >= row["itl_ms"]["p50"]
+        # Only the reused requests find their images cached (a new image set per run); all at
+        # once, even they arrive before the first encode of their image is published.
+        if row["request_rate"] != "inf":
+            assert 0 < row["cache_hit_rate"] < 1, row
+    assert len(summary["ratios"]) == 2
+    assert plot.read_bytes().startswith(b"\x89PNG")
