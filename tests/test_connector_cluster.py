@@ -81,7 +81,8 @@ def test_mark_and_channel_share_the_entry_slot(redis_cluster):
 
 PUBLISH_LATER = (
     "import sys, time, torch; from connector import ECConnector\n"
-    "c = ECConnector(sys.argv[1], sys.argv[2], registry=None, mode='cluster', namespace=sys.argv[3])\n"
+    "c = ECConnector(sys.argv[1], sys.argv[2], registry=None, mode='cluster',\n"
+    "                namespace=sys.argv[3])\n"
     "time.sleep(float(sys.argv[4]))\n"
     "for h in sys.argv[5:]:\n"
     "    c.put(h, torch.ones(8))\n"
