@@ -226,9 +226,14 @@ class ProxyConfig:
     load_poll_seconds: float = 0.5
     # On SIGTERM: how long requests in flight may take to finish before the proxy exits.
     drain_timeout_seconds: float = 30.0
+    # Single flight across proxies: a proxy encoding an item keeps a "being encoded" mark on it
+    # in Redis, refreshed every third of this; another proxy waits for the item instead of
+    # encoding it, and takes over when a mark lapses (its proxy died) before the item appears.
+    encode_mark_ttl_seconds: float = 3.0
 
     def __post_init__(self):
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
+        _check_positive("encode_mark_ttl_seconds", self.encode_mark_ttl_seconds)
         _check_positive("request_timeout_seconds", self.request_timeout_seconds)
         _check_positive("circuit_cooldown_seconds", self.circuit_cooldown_seconds)
         _check_positive("load_poll_seconds", self.load_poll_seconds)

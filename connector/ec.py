@@ -633,6 +633,21 @@ class _ShardedNotifier:
         self.listeners.clear()
 
 
+# Compare-and-act on a mark, atomically: only its owner may extend or drop it.
+_EXTEND_IF_OWNER = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('pexpire', KEYS[1], ARGV[2])
+end
+return 0
+"""
+_DELETE_IF_OWNER = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('del', KEYS[1])
+end
+return 0
+"""
+
+
 class AsyncECConnector:
     """The asyncio flavour (the proxy, the LM worker's servicer). Same methods as ECConnector;
     `sync` is the blocking connector it moves entries with, in worker threads."""
@@ -643,6 +658,8 @@ class AsyncECConnector:
         self.metrics = self.sync.metrics
         self.local = self.sync.local
         self._notifier = _notifier_for(self.sync, self.client)
+        self._extend_script = self.client.register_script(_EXTEND_IF_OWNER)
+        self._release_script = self.client.register_script(_DELETE_IF_OWNER)
 
     async def close(self) -> None:
         await self._notifier.close()
@@ -664,6 +681,37 @@ class AsyncECConnector:
 
     async def _exists(self, hashes: Sequence[str]) -> list[bool]:
         return await _exists_async(self.sync, self.client, hashes)
+
+    # -- "being encoded" marks: single flight across proxies ------------------------------------
+
+    async def claim(self, hashes: Sequence[str], owner: str, ttl_ms: int) -> list[bool]:
+        """Mark each hash "being encoded by `owner`" for `ttl_ms` unless another owner's mark
+        is there (SET NX PX). True where this owner now holds the mark."""
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for h in hashes:
+                pipe.set(self.sync.mark_key(h), owner, nx=True, px=ttl_ms)
+            return [bool(ok) for ok in await pipe.execute()]
+        except redis.RedisError as e:
+            raise self.sync._error(e, "claim") from e
+
+    async def extend(self, hashes: Sequence[str], owner: str, ttl_ms: int) -> list[bool]:
+        """Push back the expiry of the marks `owner` still holds; False where it lost one."""
+        return await self._on_own_marks(self._extend_script, hashes, owner, ttl_ms)
+
+    async def release(self, hashes: Sequence[str], owner: str) -> list[bool]:
+        """Drop the marks `owner` holds (an encode that failed can be taken over at once)."""
+        return await self._on_own_marks(self._release_script, hashes, owner)
+
+    async def _on_own_marks(self, script, hashes: Sequence[str], owner: str, *args) -> list[bool]:
+        # One key per script call: in cluster mode each runs on its own mark's shard.
+        try:
+            done = await asyncio.gather(
+                *(script(keys=[self.sync.mark_key(h)], args=[owner, *args]) for h in hashes)
+            )
+        except redis.RedisError as e:
+            raise self.sync._error(e, "marks") from e
+        return [bool(n) for n in done]
 
     async def wait_for(self, hashes: Sequence[str], timeout: float) -> set[str]:
         """See ECConnector.wait_for. Concurrent waiters share the subscriptions."""

@@ -59,7 +59,14 @@ class Proxy:
         self.lms = WorkerPool(
             "lm", epd_pb2_grpc.LanguageModelStub, c.proxy.lm_workers, c, self.redis, **gauges
         )
-        self.frontend = Frontend(self.connector, self.encoders, self.lms, metrics, c.proxy.retries)
+        self.frontend = Frontend(
+            self.connector,
+            self.encoders,
+            self.lms,
+            metrics,
+            c.proxy.retries,
+            c.proxy.encode_mark_ttl_seconds,
+        )
         self.pending = 0
 
     async def start(self) -> None:

@@ -3,13 +3,17 @@ valkey-servers): encoders, an LM worker and the proxy all in cluster mode."""
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 
+import grpc
 import pytest
 import redis
 
 from models.testing import ImageItem
-from tests.cluster_helpers import Cluster, image_bytes
+from proto import epd_pb2_grpc
+from tests.cluster_helpers import Cluster, http_json, image_bytes
 
 MAX_TOKENS = 8
 
@@ -21,6 +25,7 @@ def cluster(tmp_path_factory, tiny_checkpoint, redis_cluster):
         tiny_checkpoint,
         store=redis_cluster,
         connector={"url": redis_cluster.url, "mode": "cluster", "namespace": "epdpath"},
+        proxy={"encode_mark_ttl_seconds": 1.0},
     )
     yield c
     c.stop()
@@ -100,8 +105,6 @@ def test_ten_concurrent_identical_images_encode_once(cluster):
 
 
 def test_dashboard_reads_the_whole_cluster(cluster):
-    import time
-
     deadline = time.monotonic() + 30
     while True:
         status, state = cluster.http("/dashboard/state")
@@ -112,3 +115,124 @@ def test_dashboard_reads_the_whole_cluster(cluster):
         assert time.monotonic() < deadline, info
         time.sleep(0.2)
     assert info["used_memory_bytes"] > 0
+
+
+# -- several proxies: single flight through the "being encoded" marks ---------------------------
+
+
+def proxy_metric(port: int, name: str, **labels) -> float:
+    status, _ = http_json(port, "/health")
+    assert status == 200
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    want = "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+    for line in text.splitlines():
+        if line.startswith(name + (want if labels else " ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def second_proxy(cluster):
+    role, grpc_port, http_port = cluster.add_proxy("proxy-b")
+    role.wait_status("SERVING", timeout=120)
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    yield epd_pb2_grpc.InferenceStub(channel), http_port
+    channel.close()
+
+
+def test_two_proxies_encode_ten_identical_new_images_once(cluster, second_proxy, tiny_ref):
+    stub_b, http_b = second_proxy
+    image = image_bytes(60, 60, 21)
+    before = cluster.metric("epd_mm_items_total", result="encoded") + proxy_metric(
+        http_b, "epd_mm_items_total", result="encoded"
+    )
+    results: dict[int, list[int]] = {}
+
+    def call(i):
+        stub = stub_b if i % 2 else None
+        results[i] = cluster.generate(f"Two proxies {i}", [image], max_tokens=4, stub=stub)[0]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 10
+    for i, tokens in results.items():
+        assert tokens == expected(tiny_ref, f"Two proxies {i}", [image])[:4]
+    deadline = time.monotonic() + 20
+    while True:
+        encoded = cluster.metric("epd_mm_items_total", result="encoded") + proxy_metric(
+            http_b, "epd_mm_items_total", result="encoded"
+        )
+        if encoded >= before + 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)  # a second encode, had there been one, is counted by now
+    encoded = cluster.metric("epd_mm_items_total", result="encoded") + proxy_metric(
+        http_b, "epd_mm_items_total", result="encoded"
+    )
+    assert encoded == before + 1
+
+
+def marks(redis_cluster) -> list[bytes]:
+    found = []
+    for m in redis_cluster.masters:
+        with redis.Redis(host=m.host, port=m.port) as client:
+            found += [client.get(k) for k in client.scan_iter("epdpath:ec:*:encoding:*")]
+    return [v for v in found if v is not None]
+
+
+def test_the_proxy_holding_the_mark_dies_and_the_other_takes_over(cluster, tiny_ref, redis_cluster):
+    """Encoders paused, so the encode is in flight: proxy C claims the item's mark, the main
+    proxy follows it; kill -9 of C; its mark lapses, the main proxy takes the encode over, and
+    every request completes (C's clients retry on the main proxy, as a load balancer would)."""
+    role, grpc_port, _ = cluster.add_proxy("proxy-c")
+    role.wait_status("SERVING", timeout=120)
+    stub_c = epd_pb2_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+    image = image_bytes(68, 52, 22)
+    taken_over = cluster.metric("epd_encode_marks_total", result="taken_over")
+    followed = cluster.metric("epd_encode_marks_total", result="followed")
+    results: dict[str, list[int]] = {}
+    errors: list[Exception] = []
+
+    def call(name: str, stub) -> None:
+        try:
+            try:
+                results[name] = cluster.generate(name, [image], max_tokens=4, stub=stub)[0]
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, e  # its proxy was killed
+                results[name] = cluster.generate(name, [image], max_tokens=4)[0]
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    encoders = [cluster.roles[n].child for n in cluster.roles if n.startswith("encoder")]
+    for child in encoders:
+        child.signal(signal.SIGSTOP)
+    threads = []
+    try:
+        threads.append(threading.Thread(target=call, args=("via C", stub_c)))
+        threads[-1].start()
+        deadline = time.monotonic() + 20
+        while not marks(redis_cluster):  # C holds the mark
+            assert time.monotonic() < deadline, "proxy C did not mark the item"
+            time.sleep(0.02)
+        for i in range(4):
+            threads.append(threading.Thread(target=call, args=(f"via main {i}", None)))
+            threads[-1].start()
+        cluster.wait_metric("epd_encode_marks_total", followed + 1, result="followed")
+        cluster.kill("proxy-c")
+        cluster.wait_metric("epd_encode_marks_total", taken_over + 1, result="taken_over")
+    finally:
+        for child in encoders:
+            child.signal(signal.SIGCONT)
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert set(results) == {"via C", *(f"via main {i}" for i in range(4))}
+    for name, tokens in results.items():
+        assert tokens == expected(tiny_ref, name, [image])[:4]
+    assert cluster.metric("epd_encode_marks_total", result="taken_over") == taken_over + 1
