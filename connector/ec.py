@@ -147,14 +147,24 @@ class ECConnector:
         written and `stored` is False). Wakes every `wait_for` on this hash."""
         started = time.perf_counter()
         key, value = self.key(mm_hash), wire.encode(tensor)
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.set(key, value, nx=True, ex=self.ttl_seconds)
-            self._publish(pipe, mm_hash)
-            stored = bool(pipe.execute()[0])
-        except redis.RedisError as e:
-            self.metrics.puts.labels("failed").inc()
-            raise self._error(e, f"put {mm_hash}") from e
+        delay = 0.05
+        while True:
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.set(key, value, nx=True, ex=self.ttl_seconds)
+                self._publish(pipe, mm_hash)
+                stored = bool(pipe.execute()[0])
+                break
+            except redis.RedisError as e:
+                if self._may_wait_for_failover(e, started):
+                    # The entry's master is down and its replica not promoted yet: a put has
+                    # nowhere else to go, so it waits (bounded) for the new master.
+                    logger.info("put %s: waiting for the cluster to fail over (%s)", mm_hash, e)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                self.metrics.puts.labels("failed").inc()
+                raise self._error(e, f"put {mm_hash}") from e
         self.metrics.puts.labels("stored" if stored else "held").inc()
         if stored:
             self.metrics.bytes_out.inc(len(value))
@@ -228,6 +238,15 @@ class ECConnector:
         return self._delete_keys([self.key(h) for h in hashes])
 
     # -- pieces the operations (and the asyncio flavour) share ---------------------------------
+
+    def _may_wait_for_failover(self, e: redis.RedisError, started: float) -> bool:
+        """Cluster mode: a topology error within op_timeout x (retries + 1) of the start (about
+        what a failover takes with a node timeout of a few seconds)."""
+        if not (self.cluster and _is_topology_error(e)):
+            return False
+        self._error(e, "put")  # counted
+        patience = self.op_timeout * (self.retries + 1)
+        return time.perf_counter() - started < patience
 
     def _publish_one_channel(self, pipe, mm_hash: str) -> None:
         pipe.publish(self.channel, mm_hash)
