@@ -66,6 +66,11 @@ class EmbeddedRedis:
         return f"redis://{self.host}:{self.port}/0"
 
     @property
+    def nodes(self) -> list[EmbeddedRedis]:
+        """The server processes (one; a cluster has several)."""
+        return [self]
+
+    @property
     def log_path(self) -> Path:
         assert self.data_dir is not None
         return self.data_dir / "server.log"

@@ -91,3 +91,23 @@ def test_bench_proxy(tiny_checkpoint):
         str(free_port()),
     )
     assert summary["proxy_p50_ms"] > 0 and summary["held_vs_cold_ttft"] > 0
+
+
+def test_bench_connector_cluster(redis_cluster):
+    summary = bench(
+        "connector",
+        "--cluster",
+        "--redis-url",
+        redis_cluster.url,
+        "--sizes",
+        "0.01",
+        "--rounds",
+        "1",
+        "--mib-per-round",
+        "0.5",
+    )
+    assert summary["bench"] == "connector-cluster"
+    (result,) = summary["results"]
+    assert result["cluster_get_gbps"] > 0 and result["raw_cluster_get_gbps"] > 0
+    assert result["single_get_gbps"] > 0 and result["cluster_has_many_per_s"] > 0
+    assert set(summary["cluster_get_vs_raw_cluster_get"]) == {"0.01MiB"}
