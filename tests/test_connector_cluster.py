@@ -223,3 +223,30 @@ async def test_master_failover_entries_lost_are_misses_and_waiters_follow(
     finally:
         await connector.close()
         ec.close()
+
+
+# The ACL rules README "Redis Cluster" gives for a cluster-mode user.
+README_ACL = "~epd:* &epd:* +@read +@write +@pubsub +@scripting +ping +cluster|slots +command"
+
+
+async def test_readme_acl_user_is_enough_in_cluster_mode(redis_cluster):
+    for node in redis_cluster.masters:
+        node_client(node).execute_command(
+            "ACL", "SETUSER", "epd-acl", "on", ">pw-1", *README_ACL.split()
+        )
+    url = redis_cluster.url.replace("redis://", "redis://epd-acl:pw-1@")
+    ec = ECConnector(url, FP, registry=None, mode="cluster", namespace="epd")
+    connector = AsyncECConnector(url, FP, registry=None, mode="cluster", namespace="epd")
+    try:
+        assert ec.put("acl-item", torch.ones(2)).stored
+        assert await connector.has_many(["acl-item"]) == [True]
+        assert await connector.claim(["acl-item"], "me", 1000) == [True]
+        assert await connector.release(["acl-item"], "me") == [True]
+        waiting = asyncio.create_task(connector.wait_for(["acl-late"], 30))
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(ec.put, "acl-late", torch.ones(1))
+        assert await waiting == set()
+    finally:
+        await connector.close()
+        ec.delete(["acl-item", "acl-late"])
+        ec.close()
