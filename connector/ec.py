@@ -271,6 +271,8 @@ class ECConnector:
         node and report the hashes of the nodes that fail as `absent`."""
         keys = [self.key(h) for h in hashes]
         try:
+            if len(keys) == 1:  # one entry: the plain command, without the pipeline's routing
+                return [getattr(self.client, command)(keys[0])]
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
                 getattr(pipe, command)(k)
