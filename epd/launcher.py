@@ -27,6 +27,7 @@ from common.health import health_status
 from common.process import Child, epd_command, free_port, port_is_free
 from common.served_model import resolve_model
 from connector import EmbeddedRedis, EmbeddedServerError, redact_url
+from connector.embedded import EmbeddedCluster
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class LocalCluster:
         self.config = config
         self.host = host
         self.startup_timeout = startup_timeout
-        self.redis: EmbeddedRedis | None = None
+        self.redis: EmbeddedRedis | EmbeddedCluster | None = None
         self.run_dir = Path(tempfile.mkdtemp(prefix="epd-up-"))
         self.encoders = [
             Role(f"encoder-{i}", "encoder", f"127.0.0.1:{free_port()}") for i in range(num_encoders)
@@ -92,7 +93,9 @@ class LocalCluster:
             self.config = dataclasses.replace(self.config, model=model)
         url = self.config.connector.url
         if url is None:
-            self.redis = EmbeddedRedis()
+            cluster_mode = self.config.connector.mode == "cluster"
+            # In cluster mode without a URL: a 3-master cluster of embedded servers.
+            self.redis = EmbeddedCluster(masters=3) if cluster_mode else EmbeddedRedis()
             try:
                 self.redis.start()
             except EmbeddedServerError as e:
@@ -165,6 +168,8 @@ class LocalCluster:
         c = self.config
         http = f"http://{self.host}:{c.proxy.http_port}"
         redis_note = "embedded" if self.redis else "external"
+        if c.connector.mode == "cluster":
+            redis_note += ", cluster mode"
         lines = [
             f"epd cluster SERVING in {elapsed:.1f}s: model {c.model.served_name}",
             f"  gRPC       {self.proxy.address}  (epd.v1.Inference)",
@@ -185,8 +190,8 @@ class LocalCluster:
                 for role in self.roles:
                     if role.child is not None:
                         role.child.signal(signal.SIGKILL)
-                if self.redis is not None and self.redis.child is not None:
-                    self.redis.child.signal(signal.SIGKILL)
+                for child in self._redis_children():
+                    child.signal(signal.SIGKILL)
             self.stopping = True
         self._wake.set()
 
@@ -202,13 +207,17 @@ class LocalCluster:
             if self.stopping:
                 return 0
             dead = [r for r in self.roles if r.child is not None and r.child.poll() is not None]
-            if self.redis is not None and self.redis.child.poll() is not None:
+            if any(child.poll() is not None for child in self._redis_children()):
                 print("the embedded Redis server exited; stopping the cluster", file=sys.stderr)
                 return 1
             if dead:
                 names = ", ".join(f"{r.name} (exit code {r.child.poll()})" for r in dead)
                 print(f"{names} stopped unexpectedly; stopping the cluster", file=sys.stderr)
                 return 1
+
+    def _redis_children(self) -> list[Child]:
+        servers = self.redis.nodes if self.redis is not None else []
+        return [s.child for s in servers if s.child is not None]
 
     def stop(self) -> None:
         """Proxy first, then the workers (they drain in parallel), then Redis."""

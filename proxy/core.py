@@ -51,7 +51,7 @@ class Proxy:
         self.connector = AsyncECConnector(
             fingerprint=served.fingerprint, **c.connector.connector_options()
         )
-        self.redis = async_client(c.connector.url)
+        self.redis = async_client(c.connector.url, mode=c.connector.mode)
         gauges = {"up_gauge": metrics.worker_up, "circuit_gauge": metrics.worker_circuit_open}
         self.encoders = WorkerPool(
             "encoder", epd_pb2_grpc.EncoderStub, c.proxy.encoders, c, self.redis, **gauges
@@ -59,7 +59,14 @@ class Proxy:
         self.lms = WorkerPool(
             "lm", epd_pb2_grpc.LanguageModelStub, c.proxy.lm_workers, c, self.redis, **gauges
         )
-        self.frontend = Frontend(self.connector, self.encoders, self.lms, metrics, c.proxy.retries)
+        self.frontend = Frontend(
+            self.connector,
+            self.encoders,
+            self.lms,
+            metrics,
+            c.proxy.retries,
+            c.proxy.encode_mark_ttl_seconds,
+        )
         self.pending = 0
 
     async def start(self) -> None:

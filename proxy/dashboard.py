@@ -68,6 +68,7 @@ from typing import Any
 import redis
 from aiohttp import web
 
+from connector.client import store_stats
 from proxy.core import Proxy
 from proxy.workers import Worker, overall_status
 
@@ -260,11 +261,7 @@ class Dashboard:
             return
         try:
             async with asyncio.timeout(REDIS_TIMEOUT):
-                pipe = proxy.redis.pipeline(transaction=False)
-                pipe.info("memory")
-                pipe.info("stats")
-                pipe.dbsize()
-                memory, stats, keys = await pipe.execute()
+                memory, stats, keys = await store_stats(proxy.redis)
         except (redis.RedisError, OSError, TimeoutError, ValueError) as e:
             self.redis_info = {
                 **self.redis_info,

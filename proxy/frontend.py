@@ -68,13 +68,14 @@ class Frontend:
         lms: WorkerPool,
         metrics: ProxyMetrics,
         retries: int,
+        mark_ttl: float,
     ):
         self.connector = connector
         self.encoders = encoders
         self.lms = lms
         self.metrics = metrics
         self.retries = retries
-        self.dispatcher = EncodeDispatcher(encoders, metrics, retries)
+        self.dispatcher = EncodeDispatcher(encoders, metrics, retries, connector, mark_ttl)
         self.running: dict[str, Worker] = {}  # request id -> the LM worker serving it
 
     async def abort(self, request_id: str) -> bool:
@@ -141,8 +142,10 @@ class Frontend:
         self._count(usage, "held" if held else "encoded", 1)
 
     async def _encodes_done(self, encodes, timings: epd_pb2.StageTimings, started: float) -> None:
-        """Raises the first encode failure (the request is answered with it)."""
-        await asyncio.gather(*encodes)
+        """Raises the first encode failure (the request is answered with it). The futures are
+        shared with every request that joined the same encode: shielded, so that this request
+        ending (and this watch being cancelled) leaves them to the others."""
+        await asyncio.gather(*(asyncio.shield(f) for f in encodes))
         timings.encode_seconds = time.perf_counter() - started
 
     async def _stream_lm(

@@ -135,3 +135,23 @@ def test_bench_serve(tiny_checkpoint, tmp_path):
             assert 0 < row["cache_hit_rate"] < 1, row
     assert len(summary["ratios"]) == 2
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_connector_cluster(redis_cluster):
+    summary = bench(
+        "connector",
+        "--cluster",
+        "--redis-url",
+        redis_cluster.url,
+        "--sizes",
+        "0.01",
+        "--rounds",
+        "1",
+        "--mib-per-round",
+        "0.5",
+    )
+    assert summary["bench"] == "connector-cluster"
+    (result,) = summary["results"]
+    assert result["cluster_get_gbps"] > 0 and result["raw_cluster_get_gbps"] > 0
+    assert result["single_get_gbps"] > 0 and result["cluster_has_many_per_s"] > 0
+    assert set(summary["cluster_get_vs_raw_cluster_get"]) == {"0.01MiB"}
