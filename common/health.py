@@ -5,12 +5,19 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.config import ClusterTLSConfig
+from common.tls import cluster_channel
+
 UNREACHABLE = "UNREACHABLE"
 
 
-def health_status(address: str, service: str = "", timeout: float = 1.0) -> str:
-    """'SERVING', 'NOT_SERVING', ... or UNREACHABLE when nothing answers at `address`."""
-    with grpc.insecure_channel(address) as channel:
+def health_status(
+    address: str, service: str = "", timeout: float = 1.0, tls: ClusterTLSConfig | None = None
+) -> str:
+    """'SERVING', 'NOT_SERVING', ... or UNREACHABLE when nothing answers at `address`. With
+    `tls` (cluster.tls), over mTLS with the cluster's client certificate: what a worker that
+    requires it accepts."""
+    with cluster_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
