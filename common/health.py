@@ -18,11 +18,16 @@ def health_status(
     `tls` (cluster.tls), over mTLS with the cluster's client certificate: what a worker that
     requires it accepts."""
     with cluster_channel(address, tls) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-        except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                return UNREACHABLE
-            raise
+        return channel_status(channel, service, timeout)
+
+
+def channel_status(channel: grpc.Channel, service: str = "", timeout: float = 1.0) -> str:
+    """health_status over a channel the caller made (e.g. TLS to the proxy's client port)."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return UNREACHABLE
+        raise
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -118,13 +118,23 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import grpc
 
-    from common.health import health_status
+    from common.health import channel_status, health_status
 
     config = _config_from_args(args, {})
     try:
-        status = health_status(args.address, args.service, args.timeout, config.cluster.tls)
+        if args.tls_ca:  # the proxy's client port over TLS
+            options = [("grpc.ssl_target_name_override", args.tls_server_name)]
+            credentials = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes())
+            with grpc.secure_channel(
+                args.address, credentials, options=options if args.tls_server_name else []
+            ) as channel:
+                status = channel_status(channel, args.service, args.timeout)
+        else:
+            status = health_status(args.address, args.service, args.timeout, config.cluster.tls)
     except grpc.RpcError as e:  # e.g. NOT_FOUND: the server does not know --service
         status = e.code().name
     print(status)
@@ -239,6 +249,10 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     )
     health.add_argument("--service", default="", help="service name (default: the server's)")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    health.add_argument(
+        "--tls-ca", help="TLS (no client certificate), checked against this CA: the proxy's port"
+    )
+    health.add_argument("--tls-server-name", help="the name to expect in the certificate")
     health.set_defaults(func=cmd_health)
 
     mk = sub.add_parser("make-model", help="write a random checkpoint (tests, benchmarks)")
