@@ -556,3 +556,72 @@ def test_redis_tls_with_an_acl_user(tmp_path):
         client.close()
     finally:
         child.stop(10)
+
+
+# -- epd up: secrets to the children by environment, TLS for clients ---------------------------
+
+
+def test_epd_up_keeps_secrets_out_of_argv_and_files(tmp_path, tiny_checkpoint):
+    """`epd up --api-key ... --tls-cert --tls-key`: the key, the generated cluster secret and
+    the embedded Redis's generated password reach the roles through their environment; no
+    child's argv and no file the launcher writes holds them. Clients need TLS and the key."""
+    import psutil
+
+    from tests.test_up import Up
+
+    ca = CA(tmp_path / "pki")
+    pem = ca.issue("proxy")
+    keys = tmp_path / "keys"
+    keys.write_text("file-key-0004 tenant-f\n")
+    cluster = Up(
+        "--model", str(tiny_checkpoint), "--api-key", "argv-key-0005", "--api-key-file",
+        str(keys), "--tls-cert", str(pem.cert), "--tls-key", str(pem.key),
+    )  # fmt: skip
+    try:
+        cluster.wait_serving()
+        assert f"https://127.0.0.1:{cluster.http_port}" in "".join(cluster.stdout)
+        children = psutil.Process(cluster.proc.pid).children(recursive=True)
+        proxy = next(p for p in children if "proxy" in p.cmdline())
+        proxy_env = Path(f"/proc/{proxy.pid}/environ").read_bytes().decode().split("\0")
+        secrets = {
+            "argv-key-0005",
+            "file-key-0004",
+            *(e.partition("=")[2] for e in proxy_env if e.startswith("EPD_CLUSTER_SECRET=")),
+            *(e.partition("=")[2] for e in proxy_env if e.startswith("EPD_CONNECTOR_PASSWORD=")),
+        }
+        assert len(secrets) == 4  # the generated cluster secret and Redis password are there
+        config_file = None
+        for child in children:
+            argv = " ".join(child.cmdline())
+            assert not any(s in argv for s in secrets), argv
+            if "--config" in child.cmdline():
+                config_file = Path(child.cmdline()[child.cmdline().index("--config") + 1])
+        text = config_file.read_text()
+        assert not any(s in text for s in secrets)
+        # The embedded Redis (its process title is "valkey-server 127.0.0.1:PORT"): a password
+        # and bounded memory with LRU eviction.
+        valkey = next(p for p in children if "valkey-server" in " ".join(p.cmdline()))
+        port = int(" ".join(valkey.cmdline()).rpartition(":")[2].split()[0])
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=port).ping()
+        password = next(e for e in proxy_env if e.startswith("EPD_CONNECTOR_PASSWORD="))
+        client = redis.Redis(host="127.0.0.1", port=port, password=password.partition("=")[2])
+        assert int(client.config_get("maxmemory")["maxmemory"]) > 0
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+        client.close()
+
+        def generate(*extra: str) -> subprocess.CompletedProcess:
+            argv = epd_command(
+                "generate", "Hi", "--target", f"localhost:{cluster.grpc_port}",
+                "--max-tokens", "2", "--tls-ca", str(ca.pem.cert), *extra,
+            )  # fmt: skip
+            return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+        assert "UNAUTHENTICATED" in generate().stderr
+        key_file = tmp_path / "client-key"
+        key_file.write_text("file-key-0004\n")
+        done = generate("--api-key-file", str(key_file))
+        assert done.returncode == 0, done.stderr
+    finally:
+        cluster.proc.send_signal(2)
+        cluster.proc.wait(60)
