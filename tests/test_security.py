@@ -36,7 +36,7 @@ from connector import ECConnector, EmbeddedRedis
 from models import MediaInput
 from models.testing import ImageItem, ReferenceModel
 from proto import epd_pb2, epd_pb2_grpc
-from proxy.auth import KeyRing, Unauthenticated
+from proxy.auth import KeyRing, Unauthenticated, read_keys_file
 from proxy.prepare import mm_hash
 from tests.certs import CA
 from tests.cluster_helpers import image_bytes
@@ -277,6 +277,14 @@ def test_keys_compared_whole_and_file_format(tmp_path):
     with pytest.raises(ConfigError, match="twice"):
         KeyRing([("same", None), ("same", "t")])
     assert not KeyRing([]).enabled  # no keys: open (the proxy warns off loopback)
+    path = tmp_path / "keys"
+    path.write_text("# comment\n\nk-one team-1  # trailing comment\nk-two\n")
+    assert read_keys_file(str(path)) == [("k-one", "team-1"), ("k-two", None)]
+    path.write_text("k-one team-1 extra\n")
+    with pytest.raises(ConfigError, match="line 1"):
+        read_keys_file(str(path))
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_keys_file(str(tmp_path / "missing"))
 
 
 # -- TLS and mTLS -------------------------------------------------------------------------------
