@@ -570,20 +570,25 @@ def test_redis_tls_with_an_acl_user(tmp_path):
 
 
 def test_epd_up_keeps_secrets_out_of_argv_and_files(tmp_path, tiny_checkpoint):
-    """`epd up --api-key ... --tls-cert --tls-key`: the key, the generated cluster secret and
-    the embedded Redis's generated password reach the roles through their environment; no
-    child's argv and no file the launcher writes holds them. Clients need TLS and the key."""
+    """`epd up --api-key ... --tls-cert --tls-key`, with mTLS inside (cluster.tls in its
+    config): the key, the generated cluster secret and the embedded Redis's generated password
+    reach the roles through their environment; no child's argv and no file the launcher writes
+    holds them. The launcher's health checks pass over mTLS; clients need TLS and the key."""
     import psutil
 
     from tests.test_up import Up
 
     ca = CA(tmp_path / "pki")
     pem = ca.issue("proxy")
+    worker = ca.issue("epd-worker")
     keys = tmp_path / "keys"
     keys.write_text("file-key-0004 tenant-f\n")
+    tls = {"ca": str(ca.pem.cert), "cert": str(worker.cert), "key": str(worker.key)}
+    config = tmp_path / "cluster.yaml"
+    config.write_text(yaml.safe_dump({"cluster": {"tls": tls}}))
     cluster = Up(
         "--model", str(tiny_checkpoint), "--api-key", "argv-key-0005", "--api-key-file",
-        str(keys), "--tls-cert", str(pem.cert), "--tls-key", str(pem.key),
+        str(keys), "--tls-cert", str(pem.cert), "--tls-key", str(pem.key), "--config", str(config),
     )  # fmt: skip
     try:
         cluster.wait_serving()
@@ -606,6 +611,12 @@ def test_epd_up_keeps_secrets_out_of_argv_and_files(tmp_path, tiny_checkpoint):
                 config_file = Path(child.cmdline()[child.cmdline().index("--config") + 1])
         text = config_file.read_text()
         assert not any(s in text for s in secrets)
+        # The workers (SERVING, so the launcher's mTLS health checks passed) refuse plaintext.
+        lm = next(c for c in children if "lm" in c.cmdline())
+        lm_address = lm.cmdline()[lm.cmdline().index("--listen") + 1]
+        assert health_status(lm_address, timeout=3) == "UNREACHABLE"
+        mtls = load_config(config_file).cluster.tls
+        assert health_status(lm_address, timeout=3, tls=mtls) == "SERVING"
         # The embedded Redis (its process title is "valkey-server 127.0.0.1:PORT"): a password
         # and bounded memory with LRU eviction.
         valkey = next(p for p in children if "valkey-server" in " ".join(p.cmdline()))
