@@ -17,11 +17,11 @@ import difflib
 import os
 import socket
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import yaml
 
@@ -58,6 +58,11 @@ class ByteSize(int):
             raise ValueError(value)
         return cls(int(float(number) * _SIZE_UNITS[unit]))
 
+
+# Marks a setting that holds a secret: `epd config` shows it redacted, dump_config leaves it out
+# (`epd up` hands it to its children through the environment), and it is never logged.
+SECRET = {"secret": True}
+REDACTED = "<redacted>"
 
 _ONE_GIB = ByteSize(1 << 30)
 _AUTO_SIZE = ByteSize(0)
@@ -162,6 +167,15 @@ class ConnectorConfig:
     retries: int = 3
     # The LM worker's in-process hot tier in front of Redis (0: off).
     local_cache_bytes: ByteSize = _ONE_GIB
+    # The password of the URL's user (an ACL user, or the default user), kept out of the URL so
+    # that it is in no file and no argv: EPD_CONNECTOR_PASSWORD, or a file holding it.
+    password: str | None = field(default=None, metadata=SECRET)
+    password_file: str | None = None
+    # rediss:// only: the CA that signed the server's certificate (PEM), and a client
+    # certificate and key when the server asks for one (tls-auth-clients).
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self):
         if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
@@ -185,13 +199,49 @@ class ConnectorConfig:
                 raise ConfigError(
                     "url", f"Redis Cluster has only database 0; {self.url!r} selects another"
                 )
+        if self.password is not None and self.password_file is not None:
+            raise ConfigError("password_file", "set password or password_file, not both")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_key", "tls_cert and tls_key go together: set both or neither")
+        tls = self.tls_ca or self.tls_cert
+        if tls and self.url is not None and not self.url.startswith("rediss://"):
+            raise ConfigError("tls_ca", "TLS settings need a rediss:// url")
+
+    @property
+    def redis_url(self) -> str | None:
+        """The URL the roles connect with: `url` plus the password and TLS files. It lives in
+        memory only; log it through connector.redact_url."""
+        if self.url is None:
+            return None
+        parts = urlsplit(self.url)
+        netloc = parts.netloc
+        password = self.password
+        if self.password_file is not None:
+            password = read_secret_file(self.password_file, "connector.password_file")
+        if password is not None:
+            if parts.password is not None:
+                raise ConfigError(
+                    "connector.password", "the url already holds a password: give it once"
+                )
+            user = quote(unquote(parts.username or ""), safe="")
+            host = netloc.rpartition("@")[2]
+            netloc = f"{user}:{quote(password, safe='')}@{host}"
+        query = parse_qsl(parts.query)
+        for key, value in (
+            ("ssl_ca_certs", self.tls_ca),
+            ("ssl_certfile", self.tls_cert),
+            ("ssl_keyfile", self.tls_key),
+        ):
+            if value is not None:
+                query.append((key, value))
+        return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query)))
 
     def connector_options(self, local_tier: bool = False) -> dict[str, Any]:
         """The EC connector's constructor keywords (connector/ takes plain values, never this
         config). Only consumers (LM workers) keep a local tier."""
         assert self.url is not None, "ClusterConfig.check_role refuses a missing connector.url"
         return {
-            "url": self.url,
+            "url": self.redis_url,
             "namespace": self.namespace,
             "ttl_seconds": self.ttl_seconds,
             "local_tier_bytes": self.local_cache_bytes if local_tier else 0,
@@ -203,7 +253,8 @@ class ConnectorConfig:
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    host: str = "0.0.0.0"
+    # Where both APIs bind: loopback unless asked (containers set 0.0.0.0).
+    host: str = "127.0.0.1"
     # Client-facing gRPC (epd.v1.Inference).
     grpc_port: int = 50051
     # OpenAI-compatible HTTP API, /health, /metrics.
@@ -230,8 +281,24 @@ class ProxyConfig:
     # in Redis, refreshed every third of this; another proxy waits for the item instead of
     # encoding it, and takes over when a mark lapses (its proxy died) before the item appears.
     encode_mark_ttl_seconds: float = 3.0
+    # API keys. With none (here, in EPD_PROXY_API_KEYS, comma-separated, or in the file) the
+    # APIs are open. The file holds one key per line, optionally followed by its tenant's name
+    # (keys of one tenant share cached media given by uuid); '#' starts a comment.
+    api_keys: tuple[str, ...] = field(default=(), metadata=SECRET)
+    api_keys_file: str | None = None
+    # /metrics and /dashboard answer without a key when true (/health always does).
+    metrics_public: bool = False
+    dashboard_public: bool = False
+    # TLS for clients: HTTPS and gRPC over TLS with this certificate chain and key (PEM).
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self):
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_key", "tls_cert and tls_key go together: set both or neither")
+        for i, key in enumerate(self.api_keys):
+            if not key.strip() or any(c.isspace() for c in key):
+                raise ConfigError(f"api_keys[{i}]", "must be non-empty, without spaces")
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
         _check_positive("encode_mark_ttl_seconds", self.encode_mark_ttl_seconds)
         _check_positive("request_timeout_seconds", self.request_timeout_seconds)
@@ -260,7 +327,7 @@ class ProxyConfig:
 class EncoderConfig:
     # Where the encoder's gRPC server binds, and the address it registers for the proxy to
     # dial (default: listen, with a wildcard host replaced by this host's address).
-    listen: str = "0.0.0.0:50061"
+    listen: str = "127.0.0.1:50061"
     advertise: str | None = None
     device: Device = "auto"
     # On SIGTERM: how long in-flight encodes may take to finish before the worker exits.
@@ -306,7 +373,7 @@ class EncoderConfig:
 class LMConfig:
     # Where the LM worker's gRPC server binds, and the address it registers for the proxy to
     # dial (default: listen, with a wildcard host replaced by this host's address).
-    listen: str = "0.0.0.0:50071"
+    listen: str = "127.0.0.1:50071"
     advertise: str | None = None
     device: Device = "auto"
     # Continuous batching: sequences per step, and the token budget per step (decodes take one
@@ -380,6 +447,72 @@ class RegistryConfig:
 
 
 @dataclass(frozen=True)
+class ClusterTLSConfig:
+    # mTLS between the proxy and the workers (PEM files). Each process has its own cert / key,
+    # signed by `ca`: workers accept only clients presenting a certificate `ca` signed, and
+    # the proxy (and `epd health`, the launcher) checks the workers' certificates against it.
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    # The name checked in a worker's certificate, whatever address is dialled (workers are
+    # dialled by IP from the registry); None: the dialled host itself.
+    server_name: str | None = None
+
+    def __post_init__(self):
+        given = [self.ca is not None, self.cert is not None, self.key is not None]
+        if any(given) and not all(given):
+            raise ConfigError("ca", "mTLS needs all three of ca, cert and key (or none)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.ca is not None
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    # The cluster's shared secret: the proxy signs each media hash it hands an encoder with it,
+    # and encoders store embeddings only under hashes so signed. The same value on the proxy
+    # and every encoder: EPD_CLUSTER_SECRET, or a file holding it (`epd up` makes one).
+    secret: str | None = field(default=None, metadata=SECRET)
+    secret_file: str | None = None
+    tls: ClusterTLSConfig = field(default_factory=ClusterTLSConfig)
+
+    def __post_init__(self):
+        if self.secret is not None and self.secret_file is not None:
+            raise ConfigError("secret_file", "set secret or secret_file, not both")
+        if self.secret is not None and len(self.secret) < 16:
+            raise ConfigError("secret", "must be at least 16 characters (32 random bytes, hex)")
+
+    def signing_key(self) -> bytes:
+        """The shared secret's bytes; ConfigError when none is set."""
+        if self.secret_file is not None:
+            value = read_secret_file(self.secret_file, "cluster.secret_file")
+        elif self.secret is not None:
+            value = self.secret
+        else:
+            raise ConfigError(
+                "cluster.secret",
+                f"is not set: give the proxy and every encoder the same random value in "
+                f"{ENV_PREFIX}CLUSTER_SECRET or cluster.secret_file (e.g. `openssl rand -hex 32`)",
+            )
+        if len(value) < 16:
+            raise ConfigError("cluster.secret", "must be at least 16 characters")
+        return value.encode()
+
+
+def read_secret_file(path: str, key: str) -> str:
+    """A secret kept in a file (a mounted Kubernetes / compose secret): its first line."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(key, f"cannot read {path}: {e.strerror}") from None
+    value = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if not value:
+        raise ConfigError(key, f"{path} is empty")
+    return value
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
@@ -387,6 +520,7 @@ class ClusterConfig:
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     lm: LMConfig = field(default_factory=LMConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    cluster: SecurityConfig = field(default_factory=SecurityConfig)
     log_level: LogLevel = "info"
 
     def heartbeat_options(self, kind: Literal["encoder", "lm"]) -> dict[str, Any] | None:
@@ -395,7 +529,7 @@ class ClusterConfig:
         if not self.registry.enabled:
             return None
         return {
-            "url": self.connector.url,
+            "url": self.connector.redis_url,
             "namespace": self.connector.namespace,
             "role": kind,
             "address": getattr(self, kind).address,
@@ -416,6 +550,9 @@ class ClusterConfig:
                 "model.path",
                 f"{self.model.path!r} is not a checkpoint directory (no config.json in it)",
             )
+        if role in ("proxy", "encoder"):
+            self.cluster.signing_key()
+        self.connector.redis_url  # noqa: B018 (reads the password file: a bad one fails here)
 
 
 # --------------------------------------------------------------------------------------------
@@ -536,6 +673,7 @@ class EnvSetting:
     key: str  # dotted config key, or "" for a process setting
     type: Any
     help: str
+    secret: bool = False
 
 
 def _config_env_settings(cls: type = ClusterConfig, path: tuple[str, ...] = ()) -> list[EnvSetting]:
@@ -547,7 +685,8 @@ def _config_env_settings(cls: type = ClusterConfig, path: tuple[str, ...] = ()) 
             out += _config_env_settings(tp, (*path, f.name))
         else:
             key = ".".join((*path, f.name))
-            out.append(EnvSetting(ENV_PREFIX + "_".join((*path, f.name)).upper(), key, tp, key))
+            name = ENV_PREFIX + "_".join((*path, f.name)).upper()
+            out.append(EnvSetting(name, key, tp, key, bool(f.metadata.get("secret"))))
     return out
 
 
@@ -559,6 +698,7 @@ PROCESS_ENV_SETTINGS = [
         str,
         "where epd keeps what it writes for itself (the built-in model); default ~/.cache/epd",
     ),
+    EnvSetting(ENV_PREFIX + "API_KEY", "", str, "the API key `epd generate` sends", secret=True),
 ]
 
 ENV_REGISTRY: dict[str, EnvSetting] = {
@@ -631,8 +771,19 @@ def load_config(
     return _build(ClusterConfig, data)
 
 
-def config_to_dict(config: Any) -> dict:
-    """The plain-data form of a config object (YAML-ready: tuples become lists)."""
+def _secret_fields(config: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every secret setting of `config`."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _secret_fields(value, (*path, f.name))
+        elif f.metadata.get("secret"):
+            yield ".".join((*path, f.name)), value
+
+
+def config_to_dict(config: Any, secrets: Literal["redact", "drop"] = "redact") -> dict:
+    """The plain-data form of a config object (YAML-ready: tuples become lists). Secrets that
+    are set are shown as REDACTED, or left out with secrets="drop"."""
 
     def plain(v: Any) -> Any:
         if isinstance(v, tuple):
@@ -643,11 +794,33 @@ def config_to_dict(config: Any) -> dict:
             return int(v)
         return v
 
-    return plain(dataclasses.asdict(config))
+    data = plain(dataclasses.asdict(config))
+    for key, value in _secret_fields(config):
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        if secrets == "drop":
+            del node[leaf]
+        elif value:
+            node[leaf] = [REDACTED] * len(value) if isinstance(value, tuple) else REDACTED
+    return data
+
+
+def secret_env(config: ClusterConfig) -> dict[str, str]:
+    """The EPD_ variables that carry `config`'s secrets to a child process (dump_config leaves
+    them out of the file it writes)."""
+    out = {}
+    for key, value in _secret_fields(config):
+        if value:
+            name = ENV_PREFIX + key.replace(".", "_").upper()
+            out[name] = ",".join(value) if isinstance(value, tuple) else str(value)
+    return out
 
 
 def dump_config(config: ClusterConfig, path: str | os.PathLike) -> None:
-    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    """The config as YAML, without its secrets (see secret_env)."""
+    Path(path).write_text(yaml.safe_dump(config_to_dict(config, "drop"), sort_keys=False))
 
 
 __all__ = [
@@ -661,10 +834,13 @@ __all__ = [
     "ModelConfig",
     "ProxyConfig",
     "RegistryConfig",
+    "SecurityConfig",
     "advertised_address",
     "cache_dir",
     "config_to_dict",
     "dump_config",
     "load_config",
     "parse_address",
+    "read_secret_file",
+    "secret_env",
 ]

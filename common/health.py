@@ -5,17 +5,29 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.config import ClusterTLSConfig
+from common.tls import cluster_channel
+
 UNREACHABLE = "UNREACHABLE"
 
 
-def health_status(address: str, service: str = "", timeout: float = 1.0) -> str:
-    """'SERVING', 'NOT_SERVING', ... or UNREACHABLE when nothing answers at `address`."""
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-        except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                return UNREACHABLE
-            raise
+def health_status(
+    address: str, service: str = "", timeout: float = 1.0, tls: ClusterTLSConfig | None = None
+) -> str:
+    """'SERVING', 'NOT_SERVING', ... or UNREACHABLE when nothing answers at `address`. With
+    `tls` (cluster.tls), over mTLS with the cluster's client certificate: what a worker that
+    requires it accepts."""
+    with cluster_channel(address, tls) as channel:
+        return channel_status(channel, service, timeout)
+
+
+def channel_status(channel: grpc.Channel, service: str = "", timeout: float = 1.0) -> str:
+    """health_status over a channel the caller made (e.g. TLS to the proxy's client port)."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return UNREACHABLE
+        raise
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -66,9 +66,17 @@ class Service:
 class RoleServer:
     """A grpc.aio server for one role, with health, reflection and draining."""
 
-    def __init__(self, role: str, listen: str, services: Sequence[Service]):
+    def __init__(
+        self,
+        role: str,
+        listen: str,
+        services: Sequence[Service],
+        credentials: grpc.ServerCredentials | None = None,
+    ):
+        """`credentials`: TLS (common/tls.py) on the one port, health included; None: plain."""
         self.role = role
         self.listen = listen
+        self.credentials = credentials
         self.services = list(services)
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.health = HealthServicer()
@@ -94,7 +102,10 @@ class RoleServer:
         for name in self.health_names:
             await self.health.set(name, NOT_SERVING)
         try:
-            port = self.server.add_insecure_port(self.listen)
+            if self.credentials is not None:
+                port = self.server.add_secure_port(self.listen, self.credentials)
+            else:
+                port = self.server.add_insecure_port(self.listen)
         except RuntimeError as e:
             raise OSError(f"{self.role} cannot listen on {self.listen}: {e} (port in use?)") from e
         await self.server.start()

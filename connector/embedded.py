@@ -2,14 +2,17 @@
 
 `epd up` and the tests use it so that nothing has to be installed or running beforehand. It
 listens on loopback only, keeps nothing on disk (no RDB, no AOF) and lives in a private
-directory that is removed when it stops.
+directory that is removed when it stops. With a password, the server reads it from its stdin
+(`valkey-server -`): it is in no argv and no file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -24,6 +27,15 @@ logger = logging.getLogger(__name__)
 
 class EmbeddedServerError(RuntimeError):
     pass
+
+
+def default_maxmemory(fraction: float = 0.25) -> str:
+    """A quarter of this machine's RAM (allkeys-lru evicts past it: a miss re-encodes)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 4 << 30
+    return str(int(total * fraction))
 
 
 def server_binary() -> Path:
@@ -51,6 +63,7 @@ class EmbeddedRedis:
         maxmemory_policy: str = "allkeys-lru",
         name: str = "redis",
         extra_args: tuple[str, ...] = (),
+        password: str | None = None,
     ):
         self.host = "127.0.0.1"
         self.port = port or free_port(self.host)
@@ -58,6 +71,7 @@ class EmbeddedRedis:
         self.maxmemory_policy = maxmemory_policy
         self.name = name
         self.extra_args = tuple(extra_args)
+        self.password = password
         self.data_dir: Path | None = None
         self.child: Child | None = None
 
@@ -80,6 +94,7 @@ class EmbeddedRedis:
         self.data_dir = Path(tempfile.mkdtemp(prefix="epd-redis-"))
         argv = [
             str(server_binary()),
+            *(["-"] if self.password else []),  # config from stdin: the password
             "--port",
             str(self.port),
             "--bind",
@@ -96,13 +111,22 @@ class EmbeddedRedis:
         if self.maxmemory:
             argv += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.maxmemory_policy]
         argv += self.extra_args
-        self.child = Child(self.name, argv)
+        if self.password:
+            if any(c.isspace() or c == '"' for c in self.password):
+                raise EmbeddedServerError("the password must not contain spaces or quotes")
+            self.child = Child(self.name, argv, stdin=subprocess.PIPE)
+            self.child.proc.stdin.write(f'requirepass "{self.password}"\n'.encode())
+            self.child.proc.stdin.close()
+        else:
+            self.child = Child(self.name, argv)
         self._wait_ready(timeout)
         logger.info("embedded server %s at %s (dir %s)", self.name, self.url, self.data_dir)
         return self
 
     def _wait_ready(self, timeout: float) -> None:
-        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=1)
+        client = redis.Redis(
+            host=self.host, port=self.port, password=self.password, socket_connect_timeout=1
+        )
         deadline = time.monotonic() + timeout
         try:
             while True:

@@ -40,7 +40,7 @@ from models import MediaError, MediaInput, ProcessedMedia
 logger = logging.getLogger(__name__)
 
 Outcome = Literal["stored", "held", "failed"]
-ErrorKind = Literal["invalid_argument", "unavailable", "internal"]
+ErrorKind = Literal["invalid_argument", "permission_denied", "unavailable", "internal"]
 
 # GetLoad's rates cover this many recent seconds.
 LOAD_WINDOW_SECONDS = 10.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 # Why an item failed; the servicer maps each to a gRPC status code.
-ERROR_KINDS = ("invalid_argument", "unavailable", "internal")
+ERROR_KINDS = ("invalid_argument", "permission_denied", "unavailable", "internal")
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

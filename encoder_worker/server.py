@@ -21,6 +21,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from common.config import ClusterConfig
 from common.media import media_from_proto
 from common.server import RoleServer, Service, run_worker, unimplemented
+from common.signing import HashSigner
+from common.tls import cluster_server_credentials
 from connector import AsyncECConnector, wait_until_reachable
 from connector.registry import Heartbeat
 from encoder_worker.encoder import EncodeItem, ItemResult, MMEncoder
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 STATUS_CODES = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "internal": grpc.StatusCode.INTERNAL,
 }
@@ -48,10 +51,22 @@ DTYPES = {
 }
 
 
-def to_items(request: epd_pb2.EncodeRequest) -> list[EncodeItem | ItemResult]:
-    """Each proto item as an EncodeItem, or as its failed result when it cannot be read."""
+def to_items(request: epd_pb2.EncodeRequest, signer: HashSigner) -> list[EncodeItem | ItemResult]:
+    """Each proto item as an EncodeItem, or as its failed result when it cannot be read or its
+    hash does not carry the proxy's signature (nothing is stored under an unsigned hash)."""
     out: list[EncodeItem | ItemResult] = []
     for item in request.items:
+        if not signer.verify(item.mm_hash, item.mm_hash_tag):
+            out.append(
+                ItemResult.failed(
+                    item.mm_hash,
+                    "permission_denied",
+                    "mm_hash_tag does not match: only the proxy assigns hashes (cluster.secret "
+                    "must be the same on the proxy and every encoder)",
+                    0.0,
+                )
+            )
+            continue
         try:
             out.append(EncodeItem(item.mm_hash, media_from_proto(item.media)))
         except MediaError as e:
@@ -82,6 +97,7 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         self.config = config
         self.name = name
         self.registry = registry
+        self.signer = HashSigner(config.cluster.signing_key())
         self.role: RoleServer | None = None
         self.tower: Tower | None = None
         self.connector: AsyncECConnector | None = None
@@ -91,7 +107,7 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         """Redis reachable, the tower loaded and warm, the batch loop running."""
         c = self.config
         await wait_until_reachable(
-            c.connector.url, c.connector.startup_wait_seconds, c.connector.mode
+            c.connector.redis_url, c.connector.startup_wait_seconds, c.connector.mode
         )
         self.tower, served = await asyncio.to_thread(load_tower, c)
         self.connector = AsyncECConnector(
@@ -116,10 +132,18 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         async with self.role.work(context):
             if self.encoder is None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is still loading")
-            converted = to_items(request)
-            unreadable = sum(isinstance(c, ItemResult) for c in converted)
-            if unreadable:
-                self.encoder.metrics.error["invalid_argument"].inc(unreadable)
+            converted = to_items(request, self.signer)
+            for c in converted:
+                if isinstance(c, ItemResult):
+                    self.encoder.metrics.error[c.error_kind].inc()
+            refused = sum(isinstance(c, ItemResult) and c.error_kind == "permission_denied"
+                          for c in converted)  # fmt: skip
+            if refused:
+                logger.warning(
+                    "request %s: refused %d items with an unsigned or forged mm_hash",
+                    request.request_id,
+                    refused,
+                )
             items = [c for c in converted if isinstance(c, EncodeItem)]
             encoded = iter(await self.encoder.execute_mm_encoder(items))
             results = [c if isinstance(c, ItemResult) else next(encoded) for c in converted]
@@ -156,7 +180,8 @@ async def serve(config: ClusterConfig, name: str) -> int:
         servicer,
         epd_pb2_grpc.add_EncoderServicer_to_server,
     )
-    server = servicer.role = RoleServer(name, config.encoder.listen, [service])
+    credentials = cluster_server_credentials(config.cluster.tls)
+    server = servicer.role = RoleServer(name, config.encoder.listen, [service], credentials)
     options = config.heartbeat_options("encoder")
     heartbeat = Heartbeat(**options) if options else None
     return await run_worker(config.encoder, server, servicer.load, servicer.close, heartbeat)

@@ -17,7 +17,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from common.config import ENV_REGISTRY, ClusterConfig, ConfigError, config_to_dict, load_config
+from common.config import (
+    ENV_REGISTRY,
+    REDACTED,
+    ClusterConfig,
+    ConfigError,
+    config_to_dict,
+    load_config,
+)
 
 ROLE_MAINS: dict[str, str] = {
     "proxy": "proxy.server",
@@ -32,18 +39,36 @@ def _config_from_args(args: argparse.Namespace, overrides: dict[str, Any]) -> Cl
 
 def cmd_up(args: argparse.Namespace) -> int:
     from common.log import setup_logging
+    from connector import redact_url
     from epd.launcher import LaunchError, LocalCluster, run_cluster
 
-    config = _config_from_args(
-        args,
-        {
-            "model.path": args.model,
-            "proxy.grpc_port": args.grpc_port,
-            "proxy.http_port": args.http_port,
-            "connector.url": args.redis_url,
-            "connector.mode": "cluster" if args.redis_cluster else None,
-        },
-    )
+    if args.redis_url and redact_url(args.redis_url) != args.redis_url:
+        raise ConfigError(
+            "--redis-url",
+            "holds a password, which would show in the process list: give the URL without it "
+            "and the password in EPD_CONNECTOR_PASSWORD or connector.password_file",
+        )
+    from proxy.auth import read_keys_file
+
+    keys = list(args.api_key)
+    if args.api_key_file:
+        keys += [k for k, _ in read_keys_file(args.api_key_file)]
+    overrides = {
+        "model.path": args.model,
+        "proxy.grpc_port": args.grpc_port,
+        "proxy.http_port": args.http_port,
+        "proxy.tls_cert": args.tls_cert,
+        "proxy.tls_key": args.tls_key,
+        "connector.url": args.redis_url,
+        "connector.mode": "cluster" if args.redis_cluster else None,
+    }
+    config = _config_from_args(args, overrides)
+    if keys:  # to the children through their environment (secret_env), not their argv
+        config = load_config(
+            args.config,
+            {**{k: v for k, v in overrides.items() if v is not None},
+             "proxy.api_keys": [*config.proxy.api_keys, *keys]},
+        )  # fmt: skip
     setup_logging("epd-up", config.log_level)
     try:
         cluster = LocalCluster(
@@ -85,7 +110,8 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.env:
         for setting in ENV_REGISTRY.values():
             current = os.environ.get(setting.name)
-            note = f"  (set: {current})" if current is not None else ""
+            shown = REDACTED if setting.secret else current
+            note = f"  (set: {shown})" if current is not None else ""
             print(f"{setting.name:<40} {setting.help}{note}")
         return 0
     print(yaml.safe_dump(config_to_dict(_config_from_args(args, {})), sort_keys=False), end="")
@@ -93,12 +119,23 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import grpc
 
-    from common.health import health_status
+    from common.health import channel_status, health_status
 
+    config = _config_from_args(args, {})
     try:
-        status = health_status(args.address, args.service, args.timeout)
+        if args.tls_ca:  # the proxy's client port over TLS
+            options = [("grpc.ssl_target_name_override", args.tls_server_name)]
+            credentials = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes())
+            with grpc.secure_channel(
+                args.address, credentials, options=options if args.tls_server_name else []
+            ) as channel:
+                status = channel_status(channel, args.service, args.timeout)
+        else:
+            status = health_status(args.address, args.service, args.timeout, config.cluster.tls)
     except grpc.RpcError as e:  # e.g. NOT_FOUND: the server does not know --service
         status = e.code().name
     print(status)
@@ -141,13 +178,27 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     up.add_argument("--http-port", type=int, help="proxy HTTP port (default 8000)")
     up.add_argument("--encoders", type=int, default=1, help="encoder workers (default 1)")
     up.add_argument("--lm-workers", type=int, default=1, help="LM workers (default 1)")
-    up.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
+    up.add_argument(
+        "--redis-url",
+        help="use this Redis instead of starting the embedded one (no password in it: "
+        "EPD_CONNECTOR_PASSWORD or connector.password_file)",
+    )
     up.add_argument(
         "--redis-cluster",
         action="store_true",
         help="the Redis is a Redis Cluster (--redis-url names any node; without a URL, "
         "a 3-master cluster of embedded servers)",
     )
+    up.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require this API key (repeatable; it reaches the roles through their "
+        "environment; --api-key-file or EPD_PROXY_API_KEYS keep it out of the process list)",
+    )
+    up.add_argument("--api-key-file", help="API keys, one per line (KEY [TENANT])")
+    up.add_argument("--tls-cert", help="serve clients over TLS with this certificate (PEM)")
+    up.add_argument("--tls-key", help="the key of --tls-cert (PEM)")
     up.add_argument("--host", default="127.0.0.1", help="proxy bind address (default 127.0.0.1)")
     up.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING"
@@ -181,6 +232,11 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    gen.add_argument("--api-key", help="API key (EPD_API_KEY or --api-key-file keep it hidden)")
+    gen.add_argument("--api-key-file", help="file holding the API key")
+    gen.add_argument("--tls", action="store_true", help="TLS, checked against the system's CAs")
+    gen.add_argument("--tls-ca", help="TLS, checked against this CA certificate (PEM)")
+    gen.add_argument("--tls-server-name", help="the name to expect in the proxy's certificate")
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object: text, token ids, timings"
     )
@@ -201,8 +257,15 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
         "health", help="check a role's gRPC health (exit 0 when SERVING, 1 otherwise)"
     )
     health.add_argument("address", help="host:port of the role's gRPC server")
+    health.add_argument(
+        "--config", help="cluster YAML file: its cluster.tls (or EPD_CLUSTER_TLS_*) for mTLS"
+    )
     health.add_argument("--service", default="", help="service name (default: the server's)")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    health.add_argument(
+        "--tls-ca", help="TLS (no client certificate), checked against this CA: the proxy's port"
+    )
+    health.add_argument("--tls-server-name", help="the name to expect in the certificate")
     health.set_defaults(func=cmd_health)
 
     mk = sub.add_parser("make-model", help="write a random checkpoint (tests, benchmarks)")

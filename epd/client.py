@@ -1,9 +1,14 @@
-"""`epd generate`: a gRPC client of the proxy's Inference service."""
+"""`epd generate`: a gRPC client of the proxy's Inference service.
+
+The API key comes from --api-key-file, EPD_API_KEY or --api-key (the last shows in the process
+list); TLS is on with --tls (the system's roots) or --tls-ca (the CA that signed the proxy's
+certificate)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -41,6 +46,22 @@ def build_request(args: argparse.Namespace) -> epd_pb2.GenerateRequest:
     return request
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file:
+        return Path(args.api_key_file).read_text().split()[0]
+    return os.environ.get("EPD_API_KEY") or args.api_key
+
+
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    if not (args.tls or args.tls_ca):
+        return grpc.insecure_channel(args.target, options=GRPC_OPTIONS)
+    roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    options = list(GRPC_OPTIONS)
+    if args.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", args.tls_server_name))
+    return grpc.secure_channel(args.target, grpc.ssl_channel_credentials(roots), options=options)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     try:
         request = build_request(args)
@@ -49,10 +70,17 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     text, token_ids, last = [], [], None
     prompt_token_ids: list[int] = []
-    with grpc.insecure_channel(args.target, options=GRPC_OPTIONS) as channel:
+    try:
+        key = api_key(args)
+        channel = open_channel(args)
+    except OSError as e:
+        print(f"epd generate: cannot read {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
+    metadata = [("authorization", f"Bearer {key}")] if key else None
+    with channel:
         stub = epd_pb2_grpc.InferenceStub(channel)
         try:
-            for response in stub.Generate(request, timeout=args.timeout):
+            for response in stub.Generate(request, timeout=args.timeout, metadata=metadata):
                 if not args.json:
                     print(response.text, end="", flush=True)
                 text.append(response.text)

@@ -2,7 +2,9 @@
 
     redis (embedded, unless a URL is given) -> encoder-0.. and lm-0.. -> proxy
 
-Each role is started with the same generated cluster file and its own --listen address; the
+Secrets (the API keys, the cluster secret that signs media hashes, the embedded Redis's
+generated password) go to the children through their environment, never argv or the cluster
+file. Each role is started with the same generated cluster file and its own --listen address; the
 launcher waits until each reports SERVING over grpc.health.v1, prints the endpoints, and on
 Ctrl-C / SIGTERM stops them in reverse order (proxy first, so nothing new arrives while the
 workers drain). A role that dies stops the cluster, loudly. Children die with the launcher even
@@ -13,21 +15,26 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import secrets
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import ClusterConfig, dump_config
+from common.config import ClusterConfig, dump_config, secret_env
 from common.health import health_status
 from common.process import Child, epd_command, free_port, port_is_free
 from common.served_model import resolve_model
 from connector import EmbeddedRedis, EmbeddedServerError, redact_url
-from connector.embedded import EmbeddedCluster
+from connector.embedded import EmbeddedCluster, default_maxmemory
 
 logger = logging.getLogger(__name__)
 
@@ -91,19 +98,28 @@ class LocalCluster:
                 self.config.model, path=str(path), name=self.config.model.served_name
             )
             self.config = dataclasses.replace(self.config, model=model)
-        url = self.config.connector.url
-        if url is None:
-            cluster_mode = self.config.connector.mode == "cluster"
-            # In cluster mode without a URL: a 3-master cluster of embedded servers.
-            self.redis = EmbeddedCluster(masters=3) if cluster_mode else EmbeddedRedis()
+        connector = self.config.connector
+        if connector.url is None:
+            # Loopback only, bounded memory (LRU eviction: a miss re-encodes); a generated
+            # password on a single server. In cluster mode: 3 embedded masters.
+            password = None
+            if connector.mode == "cluster":
+                self.redis = EmbeddedCluster(masters=3)
+            else:
+                password = secrets.token_urlsafe(24)
+                self.redis = EmbeddedRedis(maxmemory=default_maxmemory(), password=password)
             try:
                 self.redis.start()
             except EmbeddedServerError as e:
                 raise LaunchError(f"the embedded Redis server did not start: {e}") from e
-            url = self.redis.url
+            connector = dataclasses.replace(connector, url=self.redis.url, password=password)
+        cluster = self.config.cluster
+        if cluster.secret is None and cluster.secret_file is None:
+            cluster = dataclasses.replace(cluster, secret=secrets.token_hex(32))
         self.config = dataclasses.replace(
             self.config,
-            connector=dataclasses.replace(self.config.connector, url=url),
+            connector=connector,
+            cluster=cluster,
             proxy=dataclasses.replace(
                 self.config.proxy,
                 host=self.host,
@@ -132,7 +148,27 @@ class LocalCluster:
 
     def _spawn(self, role: Role, config_path: Path, *extra: str) -> None:
         argv = epd_command(role.kind, "--config", str(config_path), "--name", role.name, *extra)
-        role.child = Child(role.name, argv)
+        role.child = Child(role.name, argv, env={**os.environ, **secret_env(self.config)})
+
+    def _status(self, role: Role) -> str:
+        """A role's health: grpc.health.v1 (over the cluster's mTLS for workers); the proxy's
+        HTTPS /health when it serves clients over TLS (a loopback check of a child this
+        launcher started: the certificate is not verified)."""
+        if role.kind != "proxy":
+            return health_status(role.address, timeout=0.5, tls=self.config.cluster.tls)
+        if self.config.proxy.tls_cert is None:
+            return health_status(role.address, timeout=0.5)
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        url = f"https://127.0.0.1:{self.config.proxy.http_port}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=0.5, context=context) as reply:
+                return "SERVING" if reply.status == 200 else "NOT_SERVING"
+        except urllib.error.HTTPError:
+            return "NOT_SERVING"
+        except (urllib.error.URLError, OSError):
+            return "UNREACHABLE"
 
     def _wait_serving(self, roles: list[Role]) -> None:
         """Until every role reports SERVING; LaunchError if one exits or time runs out."""
@@ -149,7 +185,7 @@ class LocalCluster:
                         f"{name} exited with code {role.child.poll()} during start-up "
                         "(its log is above)"
                     )
-                status[name] = health_status(role.address, timeout=0.5)
+                status[name] = self._status(role)
                 if status[name] == "SERVING":
                     del pending[name]
                     print(f"  {name} SERVING at {role.address}", file=sys.stderr, flush=True)
@@ -166,7 +202,8 @@ class LocalCluster:
 
     def _print_endpoints(self, elapsed: float) -> None:
         c = self.config
-        http = f"http://{self.host}:{c.proxy.http_port}"
+        scheme = "https" if c.proxy.tls_cert else "http"
+        http = f"{scheme}://{self.host}:{c.proxy.http_port}"
         redis_note = "embedded" if self.redis else "external"
         if c.connector.mode == "cluster":
             redis_note += ", cluster mode"

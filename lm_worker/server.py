@@ -21,6 +21,7 @@ from common.config import ClusterConfig
 from common.media import MODALITY_NAMES
 from common.served_model import resolve_model
 from common.server import RoleServer, Service, run_worker
+from common.tls import cluster_server_credentials
 from connector import AsyncECConnector, ConnectorError, wait_until_reachable
 from connector.registry import Heartbeat
 from lm_worker.engine import BadRequest, LMEngine, RequestOutput, deliver
@@ -165,7 +166,7 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         """Model, KV cache, graphs and a warm-up step, then the connector."""
         c = self.config
         await wait_until_reachable(
-            c.connector.url, c.connector.startup_wait_seconds, c.connector.mode
+            c.connector.redis_url, c.connector.startup_wait_seconds, c.connector.mode
         )
         served = await asyncio.to_thread(resolve_model, c)
         loop = asyncio.get_running_loop()
@@ -286,7 +287,8 @@ async def serve(config: ClusterConfig, name: str) -> int:
         servicer,
         epd_pb2_grpc.add_LanguageModelServicer_to_server,
     )
-    server = servicer.role = RoleServer(name, config.lm.listen, [service])
+    credentials = cluster_server_credentials(config.cluster.tls)
+    server = servicer.role = RoleServer(name, config.lm.listen, [service], credentials)
     options = config.heartbeat_options("lm")
     heartbeat = Heartbeat(**options) if options else None
     return await run_worker(config.lm, server, servicer.load, servicer.close, heartbeat)

@@ -320,12 +320,14 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
 
 class EncodeItem(_message.Message):
-    __slots__ = ("mm_hash", "media")
+    __slots__ = ("mm_hash", "media", "mm_hash_tag")
     MM_HASH_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
+    MM_HASH_TAG_FIELD_NUMBER: _ClassVar[int]
     mm_hash: str
     media: MediaItem
-    def __init__(self, mm_hash: _Optional[str] = ..., media: _Optional[_Union[MediaItem, _Mapping]] = ...) -> None: ...
+    mm_hash_tag: bytes
+    def __init__(self, mm_hash: _Optional[str] = ..., media: _Optional[_Union[MediaItem, _Mapping]] = ..., mm_hash_tag: _Optional[bytes] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("request_id", "items")

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from common.config import ClusterConfig
 from common.media import MODALITIES
 from common.served_model import ServedModel
+from common.signing import HashSigner
 from connector import AsyncECConnector
 from connector.client import async_client
 from proto import epd_pb2, epd_pb2_grpc
@@ -51,7 +52,7 @@ class Proxy:
         self.connector = AsyncECConnector(
             fingerprint=served.fingerprint, **c.connector.connector_options()
         )
-        self.redis = async_client(c.connector.url, mode=c.connector.mode)
+        self.redis = async_client(c.connector.redis_url, mode=c.connector.mode)
         gauges = {"up_gauge": metrics.worker_up, "circuit_gauge": metrics.worker_circuit_open}
         self.encoders = WorkerPool(
             "encoder", epd_pb2_grpc.EncoderStub, c.proxy.encoders, c, self.redis, **gauges
@@ -67,6 +68,7 @@ class Proxy:
             c.proxy.retries,
             c.proxy.encode_mark_ttl_seconds,
         )
+        self.frontend.dispatcher.signer = HashSigner(c.cluster.signing_key())
         self.pending = 0
 
     async def start(self) -> None:
@@ -83,12 +85,12 @@ class Proxy:
         if name and name != self.served.name:
             raise ModelNotFound(f"The model `{name}` does not exist.")
 
-    async def prepare(self, build, prompt, media, *args) -> PreparedRequest:
+    async def prepare(self, build, prompt, media, *args, **kwargs) -> PreparedRequest:
         """Hashing media and reading its headers is CPU work: off the event loop. A text-only
         prompt costs tens of microseconds, less than the hop to a thread."""
         if not media:
-            return build(prompt, media, *args)
-        return await asyncio.to_thread(build, prompt, media, *args)
+            return build(prompt, media, *args, **kwargs)
+        return await asyncio.to_thread(build, prompt, media, *args, **kwargs)
 
     async def run(self, prepared: PreparedRequest, timeout: float | None) -> AsyncIterator[Chunk]:
         """The request's chunks, with admission control, deadline and latency metrics."""

@@ -32,6 +32,7 @@ from collections import defaultdict
 import grpc
 
 from common.media import media_to_proto
+from common.signing import HashSigner
 from connector import AsyncECConnector, ConnectorError
 from proto import epd_pb2
 from proxy.metrics import ProxyMetrics
@@ -78,6 +79,8 @@ class EncodeDispatcher:
         # What this proxy writes in the marks it holds (only the owner extends or drops one).
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.inflight: dict[str, asyncio.Future] = {}
+        # Signs each hash sent to an encoder (common/signing.py); set by Proxy.
+        self.signer: HashSigner | None = None
 
     def submit(
         self, items: list[PreparedItem], deadline: float
@@ -195,9 +198,13 @@ class EncodeDispatcher:
         self, worker: Worker, items: list[PreparedItem], deadline: float, attempt: int = 0
     ) -> None:
         tokens = sum(i.grid.num_tokens for i in items)
+        sign = self.signer.sign if self.signer is not None else lambda _h: b""
         request = epd_pb2.EncodeRequest(
             items=[
-                epd_pb2.EncodeItem(mm_hash=i.mm_hash, media=media_to_proto(i.media)) for i in items
+                epd_pb2.EncodeItem(
+                    mm_hash=i.mm_hash, media=media_to_proto(i.media), mm_hash_tag=sign(i.mm_hash)
+                )
+                for i in items
             ]
         )
         worker.outstanding += tokens

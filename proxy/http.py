@@ -19,8 +19,10 @@ import base64
 import binascii
 import json
 import logging
+import ssl
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -30,6 +32,7 @@ from aiohttp import web
 from common.server import RoleServer
 from models import AudioClip, MediaError, MediaInput
 from proto import epd_pb2
+from proxy.auth import ANONYMOUS
 from proxy.core import ModelNotFound, Overloaded, Proxy
 from proxy.dashboard import add_dashboard
 from proxy.encode import Unavailable
@@ -163,11 +166,11 @@ def parse_sampling(body: dict) -> epd_pb2.SamplingParams:
 
 
 class HttpApi:
-    def __init__(self, role: RoleServer):
+    def __init__(self, role: RoleServer, middlewares: Sequence = ()):
         self.proxy: Proxy | None = None  # set by attach() once loaded
         self.role = role
         self.serving = False
-        self.app = web.Application(client_max_size=256 * 1024 * 1024)
+        self.app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=list(middlewares))
         self.app.add_routes(
             [
                 web.get("/health", self.health),
@@ -184,15 +187,15 @@ class HttpApi:
         self.proxy = proxy
         self.dashboard.proxy = proxy
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
         self.runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
+        site = web.TCPSite(self.runner, host, port, ssl_context=tls)
         try:
             await site.start()
         except OSError as e:
             raise OSError(f"proxy cannot listen for HTTP on {host}:{port}: {e.strerror}") from e
-        logger.info("HTTP API on %s:%d", host, port)
+        logger.info("HTTP%s API on %s:%d", "S" if tls else "", host, port)
 
     async def stop(self) -> None:
         if self.runner is not None:
@@ -278,8 +281,9 @@ class HttpApi:
         sampling = parse_sampling(body)
         return_ids = bool(body.get("return_token_ids", False))
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        tenant = request.get("principal", ANONYMOUS).tenant
         prepared = await proxy.prepare(
-            proxy.builder.build, chat, media, sampling, request_id, False, return_ids
+            proxy.builder.build, chat, media, sampling, request_id, False, return_ids, tenant=tenant
         )
         chunks = proxy.run(prepared, None)
         if body.get("stream"):

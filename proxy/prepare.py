@@ -2,7 +2,7 @@
 
     prompt (text | chat | token ids) + media items
       -> mm_hash per item (model fingerprint, modality, processor kwargs, raw bytes; or the
-         client's uuid)                                         [never decodes a pixel]
+         client's uuid within its tenant)                       [never decodes a pixel]
       -> grid and placeholder count per item, from its header alone
       -> token ids from the chat template, placeholders expanded, (offset, length) per item
 
@@ -88,14 +88,19 @@ class PreparedRequest:
         return msg
 
 
-def mm_hash(fingerprint: str, item: MediaInput) -> str:
+def mm_hash(fingerprint: str, item: MediaInput, tenant: str = "") -> str:
     """The item's cache identity: its raw bytes (or the client's uuid), modality and processor
     kwargs, under the model's fingerprint. Equal bytes give equal hashes whatever URL or
-    filename they came from."""
+    filename they came from.
+
+    A uuid is only a name the client chose, so it is scoped by the caller's tenant (its API
+    key's): another tenant sending other bytes under the same uuid gets another hash, never
+    this tenant's embedding. Content hashes are shared: equal bytes are the same item."""
     h = hashlib.blake2b(HASH_VERSION, digest_size=20)
     for piece in (fingerprint, item.modality, json.dumps(item.kwargs, sort_keys=True)):
         h.update(len(piece).to_bytes(4, "little") + piece.encode())
     if item.uuid:
+        h.update(b"tenant:" + len(tenant).to_bytes(4, "little") + tenant.encode())
         h.update(b"uuid:" + item.uuid.encode())
     elif item.modality == "image":
         h.update(item.image)
@@ -128,6 +133,7 @@ class RequestBuilder:
         request_id: str = "",
         continue_final_message: bool = False,
         return_prompt_token_ids: bool = False,
+        tenant: str = "",
     ) -> PreparedRequest:
         started = time.perf_counter()
         if isinstance(prompt, str):
@@ -147,7 +153,7 @@ class RequestBuilder:
                 grid = self.processor.grid(item)
             except MediaError as e:
                 raise BadInput(f"media item {index}: {e.reason}") from None
-            items.append(PreparedItem(mm_hash(self.served.fingerprint, item), item, grid))
+            items.append(PreparedItem(mm_hash(self.served.fingerprint, item, tenant), item, grid))
         ids = self._expand(ids, items)
         return PreparedRequest(
             request_id=request_id or f"req-{uuid.uuid4().hex[:20]}",

@@ -17,9 +17,11 @@ from common.config import ClusterConfig
 from common.media import media_from_proto
 from common.served_model import resolve_model
 from common.server import RoleServer, Service, run_role, unimplemented
+from common.tls import http_context, server_credentials
 from connector import wait_until_reachable
 from models import MediaError
 from proto import epd_pb2, epd_pb2_grpc
+from proxy.auth import KeyRing, Principal, grpc_principal, http_middleware
 from proxy.core import ModelNotFound, Overloaded, Proxy
 from proxy.encode import Unavailable
 from proxy.frontend import Chunk
@@ -40,14 +42,19 @@ def chat_from_proto(chat: epd_pb2.ChatPrompt) -> list[ChatMessage]:
 
 
 class InferenceServicer(epd_pb2_grpc.InferenceServicer):
-    def __init__(self):
+    def __init__(self, keys: KeyRing | None = None):
         self.proxy: Proxy | None = None  # set once loaded; RPCs before SERVING are refused
         self.role: RoleServer | None = None
+        self.keys = keys or KeyRing([])
+        # request id -> the key that started it: only that key may abort it.
+        self.owners: dict[str, Principal] = {}
 
     async def Generate(self, request: epd_pb2.GenerateRequest, context):
+        principal = await grpc_principal(self.keys, context)
         async with self.role.work(context):
             proxy = self.proxy
             status = grpc.StatusCode.OK
+            prepared = None
             try:
                 proxy.check_model(request.model)
                 media = [media_from_proto(m) for m in request.media]
@@ -68,7 +75,9 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
                     request.request_id,
                     request.chat.continue_final_message if kind == "chat" else False,
                     request.return_prompt_token_ids,
+                    tenant=principal.tenant,
                 )
+                self.owners[prepared.request_id] = principal
                 first = True
                 async for chunk in proxy.run(prepared, context.time_remaining()):
                     msg = to_response(prepared.request_id, chunk)
@@ -95,12 +104,20 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
                 status = grpc.StatusCode.CANCELLED
                 raise
             finally:
+                if prepared is not None and self.owners.get(prepared.request_id) is principal:
+                    del self.owners[prepared.request_id]
                 proxy.metrics.requests.labels("grpc", status.name).inc()
 
     async def Realtime(self, request_iterator, context):
+        await grpc_principal(self.keys, context)
         await unimplemented(context, "Inference.Realtime", "a realtime audio model")
 
     async def Abort(self, request: epd_pb2.AbortRequest, context) -> epd_pb2.AbortResponse:
+        principal = await grpc_principal(self.keys, context)
+        owner = self.owners.get(request.request_id)
+        if owner is None or owner.key_id != principal.key_id:
+            # Another key's request is answered as an unknown one: its id reveals nothing.
+            return epd_pb2.AbortResponse(aborted=False)
         try:
             return epd_pb2.AbortResponse(
                 aborted=await self.proxy.frontend.abort(request.request_id)
@@ -109,6 +126,7 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"LM worker: {e.details()}")
 
     async def ListModels(self, request, context) -> epd_pb2.ListModelsResponse:
+        await grpc_principal(self.keys, context)
         return epd_pb2.ListModelsResponse(models=[self.proxy.card])
 
 
@@ -128,21 +146,32 @@ def to_response(request_id: str, chunk: Chunk) -> epd_pb2.GenerateResponse:
 
 
 async def serve(config: ClusterConfig, name: str) -> int:
-    servicer = InferenceServicer()
+    p = config.proxy
+    keys = KeyRing.from_config(p)
+    if keys.enabled:
+        logger.info("API keys: %d configured; /health is open", len(keys))
+    elif p.host not in ("127.0.0.1", "::1", "localhost"):
+        logger.warning(
+            "no API keys are configured and the proxy listens on %s: anyone who can reach it "
+            "can use it (set proxy.api_keys_file or EPD_PROXY_API_KEYS)",
+            p.host,
+        )
+    servicer = InferenceServicer(keys)
     service = Service(
         epd_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
         servicer,
         epd_pb2_grpc.add_InferenceServicer_to_server,
     )
-    listen = f"{config.proxy.host}:{config.proxy.grpc_port}"
-    server = servicer.role = RoleServer(name, listen, [service])
-    http = HttpApi(server)
+    listen = f"{p.host}:{p.grpc_port}"
+    credentials = server_credentials(p.tls_cert, p.tls_key) if p.tls_cert else None
+    tls = http_context(p.tls_cert, p.tls_key) if p.tls_cert else None
+    server = servicer.role = RoleServer(name, listen, [service], credentials)
+    http = HttpApi(server, [http_middleware(keys, p)])
 
     async def load() -> None:
-        await http.start(config.proxy.host, config.proxy.http_port)
-        await wait_until_reachable(
-            config.connector.url, config.connector.startup_wait_seconds, config.connector.mode
-        )
+        await http.start(p.host, p.http_port, tls)
+        c = config.connector
+        await wait_until_reachable(c.redis_url, c.startup_wait_seconds, c.mode)
         served = await asyncio.to_thread(resolve_model, config)
         proxy = await asyncio.to_thread(Proxy, config, served, ProxyMetrics())
         await proxy.start()

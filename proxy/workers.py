@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Gauge
 
 from common.server import CHANNEL_OPTIONS
+from common.tls import cluster_aio_channel
 from connector.registry import live_workers
 from proto import epd_pb2
 
@@ -136,7 +137,7 @@ class WorkerPool:
         await asyncio.gather(*self._tasks, *self._closing, return_exceptions=True)
 
     def _add(self, address: str, source: str) -> Worker:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = cluster_aio_channel(address, self.config.cluster.tls, CHANNEL_OPTIONS)
         p = self.config.proxy
         worker = Worker(
             self.role,

@@ -11,7 +11,7 @@ import yaml
 from common.process import Child, epd_command, free_port
 from connector import EmbeddedRedis
 from connector.embedded import EmbeddedCluster
-from tests.helpers import RoleProcess
+from tests.helpers import TEST_CLUSTER_SECRET, RoleProcess
 
 
 def pytest_configure(config):
@@ -20,6 +20,9 @@ def pytest_configure(config):
 
     config._epd_cache = tempfile.TemporaryDirectory(prefix="epd-test-cache-")
     os.environ["EPD_CACHE_DIR"] = config._epd_cache.name
+    # The cluster secret every role started by a test inherits (the proxy signs media hashes
+    # with it, encoders check them); tests that call an encoder directly sign with it too.
+    os.environ["EPD_CLUSTER_SECRET"] = TEST_CLUSTER_SECRET
 
 
 def pytest_unconfigure(config):

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from models.qwen2_vl.processing import MediaProcessor
 from models.testing import ReferenceModel
 from proto import epd_pb2
-from tests.helpers import write_config
+from tests.helpers import sign, write_config
 
 
 def noise_png(width: int, height: int, seed: int) -> bytes:
@@ -27,7 +27,10 @@ def noise_png(width: int, height: int, seed: int) -> bytes:
 
 
 def image_item(mm_hash: str, data: bytes, **kwargs) -> epd_pb2.EncodeItem:
-    item = epd_pb2.EncodeItem(mm_hash=mm_hash, media=epd_pb2.MediaItem(image=data))
+    """An item signed as the proxy signs it (the test cluster's secret)."""
+    item = epd_pb2.EncodeItem(
+        mm_hash=mm_hash, media=epd_pb2.MediaItem(image=data), mm_hash_tag=sign(mm_hash)
+    )
     if kwargs:
         item.media.processor_kwargs.update(kwargs)
     return item
@@ -35,7 +38,9 @@ def image_item(mm_hash: str, data: bytes, **kwargs) -> epd_pb2.EncodeItem:
 
 def video_item(mm_hash: str, frames: list[bytes], fps: float) -> epd_pb2.EncodeItem:
     video = epd_pb2.VideoFrames(frames=frames, fps=fps)
-    return epd_pb2.EncodeItem(mm_hash=mm_hash, media=epd_pb2.MediaItem(video=video))
+    return epd_pb2.EncodeItem(
+        mm_hash=mm_hash, media=epd_pb2.MediaItem(video=video), mm_hash_tag=sign(mm_hash)
+    )
 
 
 def encoder_config(path: Path, checkpoint: Path, redis_url: str, **encoder) -> Path:

@@ -11,6 +11,15 @@ import yaml
 
 from common.health import health_status
 from common.process import Child
+from common.signing import HashSigner
+
+# The cluster secret of every role a test starts (conftest puts it in the environment).
+TEST_CLUSTER_SECRET = "epd-test-cluster-secret-0123456789"
+
+
+def sign(mm_hash: str) -> bytes:
+    """The tag the proxy would attach to `mm_hash` in the test cluster."""
+    return HashSigner(TEST_CLUSTER_SECRET.encode()).sign(mm_hash)
 
 
 @dataclass

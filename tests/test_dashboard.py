@@ -34,6 +34,7 @@ from proxy.dashboard import (
 from proxy.metrics import LATENCY_SAMPLES, ProxyMetrics
 from proxy.server import Proxy
 from tests.cluster_helpers import Cluster, image_bytes
+from tests.helpers import TEST_CLUSTER_SECRET
 
 CHROMIUM = "/usr/bin/chromium"
 NO_CHROMIUM = "needs Debian's chromium: apt-get install chromium (.ci/run installs it)"
@@ -316,6 +317,7 @@ async def big_proxy(tmp_path, tiny_checkpoint):
                 "connector": {"url": f"redis://127.0.0.1:{free_port()}/0"},  # nothing there either
                 "proxy": {"encoders": encoders, "lm_workers": lms},
                 "registry": {"enabled": False},
+                "cluster": {"secret": TEST_CLUSTER_SECRET},
             }
         )
     )

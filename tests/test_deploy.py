@@ -174,6 +174,28 @@ def redis_problems(where: str, argv: list[str]) -> list[str]:
     return problems
 
 
+# What each role needs from the secrets (settings that name files; never the values).
+SECRET_FILES = {
+    "proxy": ("EPD_CLUSTER_SECRET_FILE", "EPD_PROXY_API_KEYS_FILE", "EPD_CONNECTOR_PASSWORD_FILE"),
+    "encoder": ("EPD_CLUSTER_SECRET_FILE", "EPD_CONNECTOR_PASSWORD_FILE"),
+    "lm": ("EPD_CONNECTOR_PASSWORD_FILE",),
+}
+
+
+def secret_problems(where: str, role: str, env: dict, secret_dirs: tuple[str, ...]) -> list[str]:
+    """A role's secrets come as files from mounted secrets, and no secret value sits in its
+    environment or config."""
+    problems = []
+    for key in SECRET_FILES[role]:
+        value = str(env.get(key, ""))
+        if not value.startswith(secret_dirs):
+            problems.append(f"{where}: {key} is not a file under {secret_dirs}")
+    for key, setting in ENV_REGISTRY.items():
+        if setting.secret and key in env:
+            problems.append(f"{where}: the secret {key} is set in plain text")
+    return problems
+
+
 def compose_problems(data: dict, compose_dir: Path = COMPOSE, gpu: bool = False) -> list[str]:
     """The schema's complaints, then what it cannot see: a compose deployment that would not
     start, not scale, not drain, or not find its GPUs."""
@@ -193,6 +215,8 @@ def compose_problems(data: dict, compose_dir: Path = COMPOSE, gpu: bool = False)
         problems.append("no redis service")
     else:
         problems += redis_problems("redis", redis.get("command", []))
+        if "--aclfile" not in redis.get("command", []):
+            problems.append("redis: no --aclfile (an ACL user for the cluster)")
 
     for name, service in services.items():
         for dep, how in (service.get("depends_on") or {}).items():
@@ -215,6 +239,12 @@ def compose_problems(data: dict, compose_dir: Path = COMPOSE, gpu: bool = False)
             problems.append(f"{where}: its config {host_path}: {e}")
             continue
         port, drain = role_port_and_drain(config, role)
+        problems += secret_problems(where, role, env, ("/run/secrets/",))
+        mounted = set(service.get("secrets", []))
+        for key in SECRET_FILES[role]:
+            name = env.get(key, "").rpartition("/")[2]
+            if name and name not in mounted:
+                problems.append(f"{where}: {key} names the secret {name}, which is not mounted")
         test = [*service.get("healthcheck", {}).get("test", []), "", ""][:4]
         if test[:3] != ["CMD", "epd", "health"] or not test[3].endswith(f":{port}"):
             problems.append(f"{where}: healthcheck {test} does not ask epd health on port {port}")
@@ -327,6 +357,21 @@ def test_compose_redis_cluster_override():
     problems = redis_cluster_compose_problems(broken)
     assert any("redis-2: not in cluster mode" in p for p in problems), problems
     assert any("lm: not in cluster mode" in p for p in problems), problems
+
+
+def test_compose_tls_override():
+    """TLS for clients and mTLS inside: every role has the cluster certificate and the CA
+    from secrets, the proxy its client-facing pair, and the health checks still work."""
+    data = load_compose("compose.yaml", "compose.tls.yaml")
+    assert compose_problems(data) == []
+    for name in ROLES:
+        service = data["services"][name]
+        env = service["environment"]
+        for key in ("EPD_CLUSTER_TLS_CA", "EPD_CLUSTER_TLS_CERT", "EPD_CLUSTER_TLS_KEY"):
+            assert env[key].rpartition("/")[2] in service["secrets"], (name, key)
+    proxy = data["services"]["proxy"]
+    assert proxy["environment"]["EPD_PROXY_TLS_CERT"].startswith("/run/secrets/")
+    assert "--tls-ca" in proxy["healthcheck"]["test"]
 
 
 def test_compose_checks_catch_broken_files():
@@ -501,8 +546,37 @@ def k8s_problems(docs: list[dict], gpu: bool) -> list[str]:
             problems.append(f"{where}: container ports {ports}, the config serves {want_ports}")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             got = container.get(probe, {}).get("grpc", {}).get("port")
-            if got != port:
+            # With mTLS (or client TLS) Kubernetes' gRPC probe cannot connect: `epd health`
+            # in the container asks the same service with the certificates.
+            command = [*container.get(probe, {}).get("exec", {}).get("command", []), "", ""]
+            exec_ok = command[:3] == ["epd", "health", f"127.0.0.1:{port}"]
+            if got != port and not exec_ok:
                 problems.append(f"{where}: {probe} is not a gRPC health probe on {port}")
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        secret_dirs = tuple(
+            m["mountPath"].rstrip("/") + "/"
+            for m in container.get("volumeMounts", [])
+            if "secret" in volumes.get(m["name"], {})
+        )
+        env_values = {k: e.get("value", "") for k, e in container_env(container).items()}
+        problems += secret_problems(where, role, env_values, secret_dirs or ("(none)",))
+        policies = [
+            p
+            for p in by_kind.get("NetworkPolicy", [])
+            if selects(p["spec"]["podSelector"], pod["metadata"]["labels"])
+        ]
+        if not policies:
+            problems.append(f"{where}: no NetworkPolicy selects its pods")
+        elif role != "proxy":
+            for policy in policies:
+                for rule in policy["spec"].get("ingress", []):
+                    if {"port": port} in rule.get("ports", []) and not all(
+                        "podSelector" in src
+                        and src["podSelector"]["matchLabels"].get("app.kubernetes.io/component")
+                        == "proxy"
+                        for src in rule.get("from", [{}])
+                    ):
+                        problems.append(f"{name_of(policy)}: lets more than the proxy reach {port}")
         pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {})
         needed = drain + pre_stop.get("seconds", 0)
         if spec.get("terminationGracePeriodSeconds", 30) <= needed:
@@ -577,6 +651,7 @@ def test_every_kustomization_is_checked():
         "base",
         "overlays/cpu",
         "overlays/redis-cluster",
+        "overlays/secure",
         *GPU_RENDERS,
     }
 
@@ -639,6 +714,19 @@ def test_kubernetes_redis_cluster_overlay():
     assert any("epd-proxy: not in cluster mode" in p for p in problems), problems
 
 
+def test_secure_overlay_has_mtls_everywhere():
+    docs = render("overlays/secure")
+    for dep in (d for d in docs if d["kind"] == "Deployment"):
+        (container,) = dep["spec"]["template"]["spec"]["containers"]
+        env = container_env(container)
+        for key in ("EPD_CLUSTER_TLS_CA", "EPD_CLUSTER_TLS_CERT", "EPD_CLUSTER_TLS_KEY"):
+            assert key in env, (name_of(dep), key)
+        probe = container["readinessProbe"]
+        assert probe["exec"]["command"][:2] == ["epd", "health"], name_of(dep)
+        if role_of(container["args"]) == "proxy":
+            assert "EPD_PROXY_TLS_CERT" in env and "--tls-ca" in probe["exec"]["command"]
+
+
 @pytest.mark.parametrize("target", kustomizations())
 def test_kubernetes_manifests(target):
     docs = render(target)
@@ -667,6 +755,15 @@ def test_kubernetes_checks_catch_broken_manifests():
 
     def container(docs, name):
         return docs[f"Deployment/{name}"]["spec"]["template"]["spec"]["containers"][0]
+
+    def open_lm_port(d):
+        d["NetworkPolicy/epd-lm"]["spec"]["ingress"][0].pop("from")
+
+    def plain_secret(d):
+        container(d, "epd-proxy")["env"].append({"name": "EPD_PROXY_API_KEYS", "value": "k"})
+
+    assert any("lets more than the proxy" in p for p in broken(open_lm_port))
+    assert any("EPD_PROXY_API_KEYS is set in plain text" in p for p in broken(plain_secret))
 
     def string_probe_port(d):  # grpc probes take a number, not a port name
         container(d, "epd-lm")["livenessProbe"]["grpc"]["port"] = "grpc"

@@ -34,6 +34,7 @@ from tests.encoder_helpers import (
     reference_embeddings,
     video_item,
 )
+from tests.helpers import sign
 
 # What the Qwen2-VL family answers for an audio item.
 NO_AUDIO = "audio items: this model takes images and video"
@@ -161,9 +162,12 @@ def test_a_bad_item_fails_alone_and_its_batch_goes_on(encoder, ref):
         "oversize": image_item("oversize", noise_png(400, 300, seed=6)),
         "audio": epd_pb2.EncodeItem(
             mm_hash="audio",
+            mm_hash_tag=sign("audio"),
             media=epd_pb2.MediaItem(audio=epd_pb2.AudioClip(data=b"RIFF....", format=0)),
         ),
-        "no-payload": epd_pb2.EncodeItem(mm_hash="no-payload", media=epd_pb2.MediaItem()),
+        "no-payload": epd_pb2.EncodeItem(
+            mm_hash="no-payload", mm_hash_tag=sign("no-payload"), media=epd_pb2.MediaItem()
+        ),
         "bad kwargs": image_item("bad-kwargs", noise_png(64, 64, seed=7), resample=0),
         "bad hash": image_item("not a hash!", noise_png(64, 64, seed=8)),
     }

@@ -21,6 +21,7 @@ from models.testing import ImageItem, ReferenceModel
 from proto import epd_pb2, epd_pb2_grpc
 from proxy.prepare import mm_hash
 from tests.cluster_helpers import Cluster, http_json, image_bytes
+from tests.encoder_helpers import image_item
 from tests.helpers import RoleProcess
 
 MAX_TOKENS = 16
@@ -164,10 +165,7 @@ def test_redis_flushed_between_encode_and_gather(cluster, ref):
     image = image_bytes(88, 64, 13)
     # Published by an encoder directly, so no LM worker holds it in its local tier.
     fingerprint = resolve_model(load_config(cluster.config_path)).fingerprint
-    item = epd_pb2.EncodeItem(
-        mm_hash=mm_hash(fingerprint, MediaInput("image", image=image)),
-        media=epd_pb2.MediaItem(image=image),
-    )
+    item = image_item(mm_hash(fingerprint, MediaInput("image", image=image)), image)
     with grpc.insecure_channel(cluster.encoder_addresses[0]) as channel:
         reply = epd_pb2_grpc.EncoderStub(channel).Encode(epd_pb2.EncodeRequest(items=[item]))
     assert reply.results[0].outcome == epd_pb2.ENCODE_OUTCOME_STORED
