@@ -114,7 +114,10 @@ def decode_frames(data: bytes, indices: Sequence[int], expected_total: int) -> l
         except (av.FFmpegError, ValueError, OSError) as e:
             raise MediaError(f"video data is corrupt or truncated at frame {count}: {e}") from None
     if count == 0:
-        raise MediaError("the video stream has no decodable frames")
+        raise MediaError(
+            f"the video stream has no decodable frames (its header says {expected_total}; "
+            "the data may be truncated)"
+        )
     if count <= last:
         raise MediaError(
             f"the video is truncated: its header says {expected_total} frames, the stream "
