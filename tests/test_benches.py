@@ -91,3 +91,21 @@ def test_bench_proxy(tiny_checkpoint):
         str(free_port()),
     )
     assert summary["proxy_p50_ms"] > 0 and summary["held_vs_cold_ttft"] > 0
+
+
+def test_bench_encoder_video(tiny_checkpoint):
+    summary = bench(
+        "encoder",
+        "--video",
+        "--model",
+        str(tiny_checkpoint),
+        "--rounds",
+        "1",
+        "--video-seconds",
+        "2",
+        "--video-size",
+        "112",
+    )
+    assert summary["bench"] == "encoder-video"
+    assert summary["tokens_per_video_evs"] < summary["tokens_per_video_off"]
+    assert summary["ttft_ms_off"] > 0 and summary["ttft_ms_evs"] > 0
