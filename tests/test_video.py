@@ -225,3 +225,32 @@ def test_video_limits(processor):
         MediaProcessor(cfg, cfg, max_video_seconds=5).grid(MediaInput("video", video=data))
     with pytest.raises(MediaError, match="samples to 20 frames, more than 8"):
         MediaProcessor(cfg, cfg, max_frames=8).grid(MediaInput("video", video=data))
+
+
+def test_mm_hash_covers_container_bytes_and_sampling_settings():
+    from proxy.prepare import mm_hash
+
+    data = make_video("mp4", 8, 4, seed=6)
+    base = mm_hash("fp", MediaInput("video", video=data))
+    assert base == mm_hash("fp", MediaInput("video", video=bytes(data)))
+    others = [
+        mm_hash("fp", MediaInput("video", video=data, kwargs={"fps": 1})),
+        mm_hash("fp", MediaInput("video", video=data, kwargs={"max_frames": 4})),
+        mm_hash("fp", MediaInput("video", video=data[:-1] + b"\x00")),
+        mm_hash("fp2", MediaInput("video", video=data)),
+        mm_hash("fp", MediaInput("video", frames=(data,), fps=4.0)),
+    ]
+    assert len({base, *others}) == 1 + len(others)
+
+
+def test_pruning_rate_is_in_the_fingerprint(tiny_checkpoint):
+    from models import FamilyOptions, load_family
+
+    prints = {
+        q: load_family(tiny_checkpoint, FamilyOptions(video_pruning_rate=q)).fingerprint(
+            torch.float32
+        )
+        for q in (None, 0.0, 0.5, 0.75)
+    }
+    assert prints[None] == prints[0.0]  # the checkpoint's own rate is 0
+    assert len({prints[0.0], prints[0.5], prints[0.75]}) == 3
