@@ -249,7 +249,8 @@ class EncoderConfig:
     # On SIGTERM: how long in-flight encodes may take to finish before the worker exits.
     drain_timeout_seconds: float = 30.0
     # Cross-request batching: one tower forward takes up to this many items and this many
-    # placeholder tokens (an item larger than the token budget runs alone). 1 item: no batching.
+    # output embeddings, counted before EVS pruning (an item larger than the token budget runs
+    # alone). 1 item: no batching.
     max_batch_items: int = 32
     max_batch_tokens: int = 8192
     # How long an idle tower waits for more items before it runs a batch that is not full

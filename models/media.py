@@ -106,6 +106,11 @@ class MediaGrid:
     # Placeholder tokens before pruning (EVS keeps `num_tokens` of them); 0: not pruned.
     num_unpruned_tokens: int = 0
 
+    @property
+    def encoder_tokens(self) -> int:
+        """Embeddings the encoder computes for the item (before any pruning): its work."""
+        return self.num_unpruned_tokens or self.num_tokens
+
 
 @dataclass(frozen=True)
 class ProcessedMedia:
