@@ -191,7 +191,7 @@ def test_pruned_count_from_the_header():
             MediaInput("video", video=data)
         )
         assert pruned.grid_thw == plain.grid_thw
-        assert pruned.num_unpruned_tokens == plain.num_tokens
+        assert pruned.num_unpruned_tokens == plain.num_tokens == pruned.encoder_tokens
         assert pruned.num_tokens == evs.retained_count(plain.grid_thw, 2, q) < plain.num_tokens
 
 
