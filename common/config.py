@@ -333,7 +333,8 @@ class EncoderConfig:
     # On SIGTERM: how long in-flight encodes may take to finish before the worker exits.
     drain_timeout_seconds: float = 30.0
     # Cross-request batching: one tower forward takes up to this many items and this many
-    # placeholder tokens (an item larger than the token budget runs alone). 1 item: no batching.
+    # output embeddings, counted before EVS pruning (an item larger than the token budget runs
+    # alone). 1 item: no batching.
     max_batch_items: int = 32
     max_batch_tokens: int = 8192
     # How long an idle tower waits for more items before it runs a batch that is not full
@@ -344,6 +345,15 @@ class EncoderConfig:
     # Images (and video frames) above this many pixels, read from the header, are refused
     # before decoding (decompression-bomb protection).
     max_image_pixels: int = 64 * 1024 * 1024
+    # Videos: at most this many frames sampled (or sent) per video, and containers at most this
+    # long; longer ones are refused (the proxy reads both from the header).
+    max_video_frames: int = 768
+    max_video_seconds: float = 3600.0
+    # Efficient video sampling (EVS): the fraction of a video's tokens pruned after the tower
+    # (fewer prompt tokens, less prefill; the most repetitive tokens go). None: the model's
+    # config.json `video_pruning_rate`; 0: off. Every role reads it: it sets placeholder counts
+    # and is part of the embeddings' fingerprint.
+    video_pruning_rate: float | None = None
     # Prometheus /metrics over HTTP on this port, on the listen host (0: off).
     metrics_port: int = 0
 
@@ -352,9 +362,13 @@ class EncoderConfig:
         if self.advertise is not None:
             parse_address(self.advertise, "advertise")
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
-        for key in ("max_batch_items", "max_batch_tokens", "max_image_pixels"):
+        for key in ("max_batch_items", "max_batch_tokens", "max_image_pixels", "max_video_frames"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        _check_positive("max_video_seconds", self.max_video_seconds)
+        q = self.video_pruning_rate
+        if q is not None and not 0 <= q < 1:
+            raise ConfigError("video_pruning_rate", f"must be in [0, 1), got {q}")
         if self.batch_wait_ms < 0:
             raise ConfigError("batch_wait_ms", f"must be >= 0, got {self.batch_wait_ms}")
         if self.preprocess_workers < 0:

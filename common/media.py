@@ -44,6 +44,8 @@ def media_from_proto(msg: epd_pb2.MediaItem) -> MediaInput:
         return MediaInput("image", image=msg.image, **common)
     if kind == "video":
         return MediaInput("video", frames=tuple(msg.video.frames), fps=msg.video.fps, **common)
+    if kind == "video_file":
+        return MediaInput("video", video=msg.video_file, **common)
     if kind == "audio":
         clip = msg.audio
         fmt = _AUDIO_FORMATS.get(clip.format)
@@ -52,7 +54,7 @@ def media_from_proto(msg: epd_pb2.MediaItem) -> MediaInput:
         if fmt != "wav" and clip.sample_rate == 0:
             raise MediaError(f"{fmt} audio needs its sample_rate")
         return MediaInput("audio", audio=AudioClip(clip.data, fmt, clip.sample_rate), **common)
-    raise MediaError("media item has no payload: set one of image, video or audio")
+    raise MediaError("media item has no payload: set one of image, video, video_file or audio")
 
 
 def media_to_proto(item: MediaInput) -> epd_pb2.MediaItem:
@@ -62,6 +64,8 @@ def media_to_proto(item: MediaInput) -> epd_pb2.MediaItem:
         json_format.ParseDict(item.kwargs, msg.processor_kwargs)
     if item.modality == "image":
         msg.image = item.image
+    elif item.modality == "video" and item.video:
+        msg.video_file = item.video
     elif item.modality == "video":
         msg.video.frames.extend(item.frames)
         msg.video.fps = item.fps

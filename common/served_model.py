@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from common.config import ClusterConfig, cache_dir
-from models import ModelFamily, load_family
+from models import FamilyOptions, ModelFamily, load_family
 
 # The built-in model `epd up` serves when no checkpoint is given: a random `small` Qwen2.5-VL
 # checkpoint, written once under the cache directory.
@@ -39,7 +39,13 @@ def resolve_model(config: ClusterConfig) -> ServedModel:
     """The checkpoint directory (the built-in model, written on first use, when none is set),
     its family, its compute dtype and its embedding fingerprint."""
     path = Path(config.model.path) if config.model.path else ensure_builtin_model()
-    family = load_family(path)
+    e = config.encoder
+    options = FamilyOptions(
+        video_pruning_rate=e.video_pruning_rate,
+        max_video_frames=e.max_video_frames,
+        max_video_seconds=e.max_video_seconds,
+    )
+    family = load_family(path, options)
     dtype = family.dtype if config.model.dtype == "auto" else getattr(torch, config.model.dtype)
     return ServedModel(path, config.model.served_name, dtype, family.fingerprint(dtype), family)
 

@@ -347,7 +347,7 @@ class MMEncoder:
         """In a preprocessing thread: the header first (so GetLoad counts its tokens), then
         decoding and preprocessing."""
         started = time.perf_counter()
-        job.num_tokens = self.tower.grid(job.media).num_tokens
+        job.num_tokens = self.tower.grid(job.media).encoder_tokens
         processed = self.tower.prepare(job.media)
         self.metrics.preprocess_seconds.observe(time.perf_counter() - started)
         return processed
@@ -400,7 +400,7 @@ class MMEncoder:
         m = self.metrics
         m.tower_seconds.observe(time.perf_counter() - started)
         m.batch_items.observe(len(batch))
-        m.batch_tokens.observe(sum(p.grid.num_tokens for p in inputs))
+        m.batch_tokens.observe(sum(p.grid.encoder_tokens for p in inputs))
         for job, out in zip(batch, outputs, strict=True):
             if isinstance(out, torch.Tensor):
                 m.items_encoded.inc()

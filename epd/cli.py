@@ -221,6 +221,9 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the user message (or the raw prompt with --raw)")
     gen.add_argument("--target", default="127.0.0.1:50051", help="proxy gRPC address")
     gen.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    gen.add_argument(
+        "--video", action="append", default=[], help="MP4 / WebM / MKV / MOV file (repeatable)"
+    )
     gen.add_argument("--audio", action="append", default=[], help="WAV file (repeatable)")
     gen.add_argument("--raw", action="store_true", help="send PROMPT as-is, no chat template")
     gen.add_argument("--model", default="", help="model name (default: the served one)")

@@ -22,6 +22,7 @@ from proto import epd_pb2, epd_pb2_grpc
 
 def build_request(args: argparse.Namespace) -> epd_pb2.GenerateRequest:
     media = [epd_pb2.MediaItem(image=Path(p).read_bytes()) for p in args.image]
+    media += [epd_pb2.MediaItem(video_file=Path(p).read_bytes()) for p in args.video]
     media += [
         epd_pb2.MediaItem(audio=epd_pb2.AudioClip(data=Path(p).read_bytes())) for p in args.audio
     ]

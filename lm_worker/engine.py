@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +26,7 @@ from lm_worker.model_runner import InputBatch, ModelRunner
 from lm_worker.request import Request
 from lm_worker.sampler import SampledToken, Sampler
 from lm_worker.scheduler import ScheduledBatch, Scheduler
-from models import IncrementalDetokenizer, Tokenizer
+from models import EmbeddingMismatch, IncrementalDetokenizer, LoadedEmbedding, Tokenizer
 from models.sampling import new_generator
 
 logger = logging.getLogger(__name__)
@@ -126,13 +126,18 @@ class LMEngine:
                 f"the prompt needs {need} KV blocks; this worker has {blocks.num_usable}"
             )
 
-    def load_embedding(self, mm_hash: str, tensor: torch.Tensor, num_embeds: int) -> torch.Tensor:
+    def load_embedding(
+        self, mm_hash: str, tensor: torch.Tensor, num_embeds: int
+    ) -> LoadedEmbedding:
         """A fetched embedding made ready for this engine (device, dtype, the family's check);
         models.EmbeddingMismatch when it cannot fill its placeholders."""
         return self.runner.load_embedding(mm_hash, tensor, num_embeds)
 
     def add_request(
-        self, request: Request, sink: Sink, embeddings: dict[str, torch.Tensor] | None = None
+        self,
+        request: Request,
+        sink: Sink,
+        embeddings: Mapping[str, LoadedEmbedding | torch.Tensor] | None = None,
     ) -> None:
         """Queue a request whose embeddings (by mm_hash) are already fetched."""
         self._submit(lambda: self._add(request, sink, embeddings or {}))
@@ -308,12 +313,21 @@ class LMEngine:
 
     # -- state changes (engine thread) --------------------------------------------------------
 
-    def _add(self, request: Request, sink: Sink, embeddings: dict[str, torch.Tensor]) -> None:
+    def _add(
+        self,
+        request: Request,
+        sink: Sink,
+        embeddings: Mapping[str, LoadedEmbedding | torch.Tensor],
+    ) -> None:
         detokenizer = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         self.live[request.request_id] = _Live(request, sink, detokenizer)
         if request.sampling.seed is not None or not request.sampling.greedy:
             request.generator = new_generator(request.sampling.seed)
-        missing = self.runner.add_request(request, embeddings)
+        try:
+            missing = self.runner.add_request(request, embeddings)
+        except EmbeddingMismatch as e:
+            self._finish(request, "error", error=str(e))
+            return
         if missing:
             self.metrics.embedding_misses.inc(len(missing))
             self._finish(request, "error", error=f"embeddings not provided: {missing}")

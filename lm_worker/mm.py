@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,6 +56,8 @@ class MMEmbeddings:
     def __init__(self, is_realtime: bool):
         self.is_realtime = is_realtime
         self.outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, width]
+        # mm_hash -> what the model state's positions read from it (LoadedEmbedding.positions)
+        self.positions: dict[str, Any] = {}
         self.refs: dict[str, int] = {}
         self.features: dict[str, list[MMFeature]] = {}  # request id -> by offset
         self._offsets: dict[str, list[int]] = {}
@@ -74,10 +77,21 @@ class MMEmbeddings:
             if self.refs[f.mm_hash] == 0:
                 del self.refs[f.mm_hash]
                 self.outputs.pop(f.mm_hash, None)
+                self.positions.pop(f.mm_hash, None)
         self._offsets.pop(request_id, None)
 
-    def put(self, mm_hash: str, embeds: torch.Tensor) -> None:
+    def put(self, mm_hash: str, embeds: torch.Tensor, positions: Any = None) -> None:
         self.outputs[mm_hash] = embeds
+        if positions is not None:
+            self.positions[mm_hash] = positions
+
+    def positions_of(self, request_id: str) -> dict[str, Any]:
+        """The stored positions of a request's items that carry some, by mm_hash."""
+        return {
+            f.mm_hash: self.positions[f.mm_hash]
+            for f in self.features.get(request_id, ())
+            if f.mm_hash in self.positions
+        }
 
     def missing(self, request_id: str) -> list[str]:
         return [

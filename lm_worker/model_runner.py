@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +34,7 @@ from lm_worker.cuda_graph import CudaGraphRunner, graph_sizes
 from lm_worker.mm import MMEmbeddings, RealtimeStream
 from lm_worker.request import Request
 from lm_worker.scheduler import ScheduledBatch
-from models import ModelState
+from models import LoadedEmbedding, ModelState
 from models.family import LanguageModel
 
 logger = logging.getLogger(__name__)
@@ -111,24 +111,44 @@ class ModelRunner:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def add_request(self, request: Request, embeddings: dict[str, torch.Tensor]) -> list[str]:
-        """Take a new request's model state and embeddings (by mm_hash, already processed by
-        `load_embedding`). Returns the mm_hashes it still lacks (its realtime session's rows
-        excluded: they arrive as the audio does)."""
-        request.rope = self.model_state.rope_state(request.num_prompt_tokens, request.mm_features)
+    def add_request(
+        self, request: Request, embeddings: Mapping[str, LoadedEmbedding | torch.Tensor]
+    ) -> list[str]:
+        """Take a new request's embeddings (by mm_hash, already processed by `load_embedding`)
+        and, once they are all in, its model state (positions may depend on them: pruned
+        media). Returns the mm_hashes it still lacks (its realtime session's rows excluded:
+        they arrive as the audio does); with some lacking, the request holds no model state.
+        Raises EmbeddingMismatch when the embeddings do not fit its prompt (it is then
+        removed again)."""
         self.mm.add_request(request.request_id, request.mm_features)
-        for mm_hash, embeds in embeddings.items():
-            self.mm.put(mm_hash, embeds)
+        for mm_hash, loaded in embeddings.items():
+            if isinstance(loaded, torch.Tensor):
+                loaded = LoadedEmbedding(loaded)
+            self.mm.put(mm_hash, loaded.embeds, loaded.positions)
         if request.realtime_session is not None:
             self.realtime_stream(request.realtime_session)
-        return [h for h in self.mm.missing(request.request_id) if h != request.realtime_session]
+        missing = [h for h in self.mm.missing(request.request_id) if h != request.realtime_session]
+        if missing:
+            return missing
+        try:
+            request.rope = self.model_state.rope_state(
+                request.num_prompt_tokens,
+                request.mm_features,
+                self.mm.positions_of(request.request_id),
+            )
+        except Exception:
+            self.mm.remove_request(request.request_id)
+            raise
+        return []
 
     def remove_request(self, request_id: str) -> None:
         self.mm.remove_request(request_id)
 
-    def load_embedding(self, mm_hash: str, tensor: torch.Tensor, num_embeds: int) -> torch.Tensor:
-        """A fetched embedding on this runner's device and dtype, checked by the model state
-        (EmbeddingMismatch when it cannot fill its placeholders). Thread-safe."""
+    def load_embedding(
+        self, mm_hash: str, tensor: torch.Tensor, num_embeds: int
+    ) -> LoadedEmbedding:
+        """A fetched embedding on this runner's device and dtype, checked (and split) by the
+        model state (EmbeddingMismatch when it cannot fill its placeholders). Thread-safe."""
         embeds = tensor.to(self.device, self.dtype)
         return self.model_state.process_mm_embeds(mm_hash, embeds, num_embeds)
 

@@ -15,7 +15,6 @@ import uuid
 
 import grpc
 import numpy as np
-import torch
 
 from common.config import ClusterConfig
 from common.media import MODALITY_NAMES
@@ -27,7 +26,7 @@ from connector.registry import Heartbeat
 from lm_worker.engine import BadRequest, LMEngine, RequestOutput, deliver
 from lm_worker.loader import build_engine
 from lm_worker.request import Request
-from models import EmbeddingMismatch, MMFeature, SamplingParams
+from models import EmbeddingMismatch, LoadedEmbedding, MMFeature, SamplingParams
 from proto import epd_pb2, epd_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -119,11 +118,11 @@ class EmbeddingFetcher:
         self.timeout = timeout
         self.waiting = 0  # requests waiting for embeddings (GetLoad)
 
-    async def fetch(self, request: Request, report) -> dict[str, torch.Tensor]:
+    async def fetch(self, request: Request, report) -> dict[str, LoadedEmbedding]:
         """{mm_hash: tensor on the engine's device}. `report(hashes)` is awaited with each
         set of hashes newly found missing. Raises TimeoutError after `timeout` seconds."""
         needed = {f.mm_hash: f.num_embeds for f in request.mm_features}
-        found: dict[str, torch.Tensor] = {}
+        found: dict[str, LoadedEmbedding] = {}
         reported: set[str] = set()
         deadline = time.monotonic() + self.timeout
         self.waiting += 1

@@ -11,7 +11,14 @@ The roles use only this surface: `load_family(path)` gives the checkpoint's fami
 """
 
 from models.checkpoint import CheckpointError
-from models.family import EmbeddingMismatch, ModelFamily, ModelState, TextDims
+from models.family import (
+    EmbeddingMismatch,
+    FamilyOptions,
+    LoadedEmbedding,
+    ModelFamily,
+    ModelState,
+    TextDims,
+)
 from models.media import (
     AudioClip,
     MediaError,
@@ -20,6 +27,7 @@ from models.media import (
     MMFeature,
     Modality,
     ProcessedMedia,
+    VideoMetadata,
 )
 from models.registry import load_family
 from models.sampling import SamplingParams
@@ -29,7 +37,9 @@ __all__ = [
     "AudioClip",
     "CheckpointError",
     "EmbeddingMismatch",
+    "FamilyOptions",
     "IncrementalDetokenizer",
+    "LoadedEmbedding",
     "MMFeature",
     "MediaError",
     "MediaGrid",
@@ -41,6 +51,7 @@ __all__ = [
     "SamplingParams",
     "TextDims",
     "Tokenizer",
+    "VideoMetadata",
     "expand_placeholders",
     "load_family",
 ]

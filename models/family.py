@@ -18,7 +18,7 @@ position scheme, the multimodal-pruning hook, what graph capture feeds the model
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -106,15 +106,36 @@ class EmbeddingMismatch(ValueError):
     """An embedding that cannot fill its placeholders (wrong width or row count)."""
 
 
+@dataclass(frozen=True)
+class LoadedEmbedding:
+    """A fetched embedding made ready by the model state: the rows that fill its placeholders,
+    and what the family's position scheme reads from it (EVS: the kept tokens' positions, which
+    the encoder sent as trailing channels); None where the embedding carries nothing more."""
+
+    embeds: torch.Tensor  # [num_embeds, hidden]
+    positions: Any = None
+
+
+@dataclass(frozen=True)
+class FamilyOptions:
+    """Cluster settings a family honours (None: the checkpoint's or the family's default)."""
+
+    video_pruning_rate: float | None = None  # EVS; 0: off
+    max_video_frames: int | None = None  # frames one video may bring to the encoder
+    max_video_seconds: float | None = None  # a video container's duration
+
+
 class ModelState:
     """A family's hooks in the LM runner (vLLM's ModelState). This default: plain 1-D
     positions, embeddings taken as they are, capture fed from the runner's buffer.
 
+    - `process_mm_embeds`: checks one fetched embedding before it is used and splits off what
+      the position scheme needs (the pruning hook: EVS video embeddings carry their kept
+      tokens' positions as trailing channels) -> LoadedEmbedding;
     - `rope_state` / `positions`: the position scheme. The runner's positions buffer is
       [position_axes, T]; a request's per-request state (e.g. M-RoPE's prompt positions and
-      decode delta) is made once when it arrives and kept on the request;
-    - `process_mm_embeds`: checks one fetched embedding before it is used; the pruning hook
-      (EVS: pruned video embeddings carry their positions as trailing channels);
+      decode delta) is made once its embeddings are in, from its features and the
+      `LoadedEmbedding.positions` of its items, and kept on the request;
     - `dummy_inputs_embeds`: what warm-up and CUDA-graph capture feed the model instead of
       running an encoder: a slice of the runner's preallocated buffer (`inputs_embeds`, set by
       the runner once it has allocated its buffers).
@@ -127,8 +148,14 @@ class ModelState:
         self.hidden_size = hidden_size
         self.inputs_embeds: torch.Tensor | None = None  # the runner's [max_tokens, hidden]
 
-    def rope_state(self, num_prompt_tokens: int, features: Sequence[MMFeature]) -> Any:
-        """Per-request position state, made once when the request arrives."""
+    def rope_state(
+        self,
+        num_prompt_tokens: int,
+        features: Sequence[MMFeature],
+        media_positions: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Per-request position state, made once the request's embeddings are in.
+        `media_positions`: LoadedEmbedding.positions by mm_hash (items that carry some)."""
         return None
 
     def positions(
@@ -139,8 +166,8 @@ class ModelState:
 
     def process_mm_embeds(
         self, mm_hash: str, embeds: torch.Tensor, num_embeds: int
-    ) -> torch.Tensor:
-        """Check (and for pruning models, reshape) one fetched embedding before it is used."""
+    ) -> LoadedEmbedding:
+        """Check (and for pruning models, split) one fetched embedding before it is used."""
         if embeds.dim() != 2:
             raise EmbeddingMismatch(f"embedding {mm_hash} has shape {tuple(embeds.shape)}, not 2-D")
         width = embeds.shape[1]
@@ -159,7 +186,7 @@ class ModelState:
                 f"embedding {mm_hash} has {embeds.shape[0]} rows for {num_embeds} placeholder "
                 "embeddings in the prompt"
             )
-        return embeds
+        return LoadedEmbedding(embeds)
 
     def dummy_inputs_embeds(self, num_tokens: int) -> torch.Tensor:
         return self.inputs_embeds[:num_tokens]
@@ -171,8 +198,9 @@ class ModelFamily(ABC):
 
     architectures: ClassVar[tuple[str, ...]]  # config.json `architectures` it serves
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, options: FamilyOptions | None = None):
         self.path = Path(path)
+        self.options = options or FamilyOptions()
 
     # -- what the checkpoint is ----------------------------------------------------------------
 

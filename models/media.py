@@ -45,6 +45,9 @@ class MediaInput:
     image: bytes = b""  # image: one encoded image
     frames: tuple[bytes, ...] = ()  # video: one encoded image per frame, in order
     fps: float = 0.0  # video: sampling rate of `frames`
+    # video: a whole container file (MP4, WebM, MKV, MOV), sampled by the family's processor
+    # (its settings, e.g. fps / min_frames / max_frames, go in `kwargs`). Exclusive with frames.
+    video: bytes = b""
     audio: AudioClip | None = None  # audio
     # Per-item processor kwargs (min_pixels, max_pixels, size) as plain data; integral numbers
     # are ints. Part of the item's hash.
@@ -58,8 +61,35 @@ class MediaInput:
         if self.modality == "image":
             return len(self.image)
         if self.modality == "video":
-            return sum(len(f) for f in self.frames)
+            return len(self.video) + sum(len(f) for f in self.frames)
         return len(self.audio.data) if self.audio is not None else 0
+
+
+@dataclass(frozen=True)
+class VideoMetadata:
+    """How a video container was sampled (transformers' `video_metadata`), from its header."""
+
+    total_num_frames: int  # frames in the container's video stream
+    fps: float  # the stream's frame rate
+    width: int
+    height: int
+    frames_indices: tuple[int, ...]  # the sampled frames, in order
+    codec: str = ""
+
+    @property
+    def duration(self) -> float:
+        """Seconds the stream covers."""
+        return self.total_num_frames / self.fps
+
+    @property
+    def timestamps(self) -> tuple[float, ...]:
+        """Seconds at which each sampled frame is shown."""
+        return tuple(i / self.fps for i in self.frames_indices)
+
+    @property
+    def sampled_fps(self) -> float:
+        """Frames per second of the sampled clip."""
+        return len(self.frames_indices) / self.total_num_frames * self.fps
 
 
 @dataclass(frozen=True)
@@ -71,6 +101,15 @@ class MediaGrid:
     num_tokens: int  # placeholder tokens the item expands to
     # Video only: seconds covered by one temporal patch.
     second_per_grid_t: float | None = None
+    # Video containers only: the sampled frames.
+    video_metadata: VideoMetadata | None = None
+    # Placeholder tokens before pruning (EVS keeps `num_tokens` of them); 0: not pruned.
+    num_unpruned_tokens: int = 0
+
+    @property
+    def encoder_tokens(self) -> int:
+        """Embeddings the encoder computes for the item (before any pruning): its work."""
+        return self.num_unpruned_tokens or self.num_tokens
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import importlib
 from pathlib import Path
 
 from models.checkpoint import CheckpointError, read_json
-from models.family import ModelFamily
+from models.family import FamilyOptions, ModelFamily
 
 # architecture (config.json) -> "module:FamilyClass"
 FAMILIES: dict[str, str] = {
@@ -24,7 +24,7 @@ def family_class(architecture: str) -> type[ModelFamily]:
     return getattr(importlib.import_module(module), name)
 
 
-def load_family(checkpoint_dir: str | Path) -> ModelFamily:
+def load_family(checkpoint_dir: str | Path, options: FamilyOptions | None = None) -> ModelFamily:
     """The family object of a checkpoint directory (reads its JSON files, no weights)."""
     root = Path(checkpoint_dir)
     path = root / "config.json"
@@ -39,7 +39,7 @@ def load_family(checkpoint_dir: str | Path) -> ModelFamily:
             f"{path}: architectures {cfg.get('architectures')} / model_type "
             f"{cfg.get('model_type')!r}: supported are {sorted(FAMILIES)}"
         )
-    return family_class(known[0])(root)
+    return family_class(known[0])(root, options)
 
 
 def _squash(name: str) -> str:

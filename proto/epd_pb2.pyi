@@ -80,18 +80,20 @@ class AudioClip(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., format: _Optional[_Union[AudioFormat, str]] = ..., sample_rate: _Optional[int] = ...) -> None: ...
 
 class MediaItem(_message.Message):
-    __slots__ = ("image", "video", "audio", "uuid", "processor_kwargs")
+    __slots__ = ("image", "video", "audio", "video_file", "uuid", "processor_kwargs")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     VIDEO_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FILE_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     PROCESSOR_KWARGS_FIELD_NUMBER: _ClassVar[int]
     image: bytes
     video: VideoFrames
     audio: AudioClip
+    video_file: bytes
     uuid: str
     processor_kwargs: _struct_pb2.Struct
-    def __init__(self, image: _Optional[bytes] = ..., video: _Optional[_Union[VideoFrames, _Mapping]] = ..., audio: _Optional[_Union[AudioClip, _Mapping]] = ..., uuid: _Optional[str] = ..., processor_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    def __init__(self, image: _Optional[bytes] = ..., video: _Optional[_Union[VideoFrames, _Mapping]] = ..., audio: _Optional[_Union[AudioClip, _Mapping]] = ..., video_file: _Optional[bytes] = ..., uuid: _Optional[str] = ..., processor_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class ContentPart(_message.Message):
     __slots__ = ("text", "media_index")

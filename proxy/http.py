@@ -1,8 +1,9 @@
 """The proxy's HTTP API (aiohttp): the OpenAI chat completions API, /health, /metrics.
 
-    POST /v1/chat/completions   streaming (SSE) or not; content parts text, image_url (data:
-                                URLs; the proxy fetches nothing), input_audio; vLLM's extensions
-                                top_k, ignore_eos, return_token_ids
+    POST /v1/chat/completions   streaming (SSE) or not; content parts text, image_url and
+                                video_url (data: URLs; the proxy fetches nothing; a video is
+                                a container file, MP4 / WebM / MKV / MOV), input_audio;
+                                vLLM's extensions top_k, ignore_eos, return_token_ids
     GET  /v1/models             the served model
     GET  /health                per role: healthy / degraded / unavailable (503 when nothing
                                 can serve)
@@ -123,6 +124,14 @@ def parse_messages(messages: Any) -> tuple[list[ChatMessage], list[MediaInput]]:
                     raise BadInput(f"{where}: image_url needs a url")
                 uuid_ = part.get("uuid") or ""
                 media.append(MediaInput("image", image=_data_url(url, where), uuid=uuid_))
+                parts.append(Part(media_index=len(media) - 1))
+            elif kind == "video_url":
+                video = part.get("video_url")
+                url = video.get("url") if isinstance(video, dict) else video
+                if not isinstance(url, str):
+                    raise BadInput(f"{where}: video_url needs a url")
+                uuid_ = part.get("uuid") or ""
+                media.append(MediaInput("video", video=_data_url(url, where), uuid=uuid_))
                 parts.append(Part(media_index=len(media) - 1))
             elif kind == "input_audio":
                 audio = part.get("input_audio") or {}

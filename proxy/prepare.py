@@ -104,6 +104,9 @@ def mm_hash(fingerprint: str, item: MediaInput, tenant: str = "") -> str:
         h.update(b"uuid:" + item.uuid.encode())
     elif item.modality == "image":
         h.update(item.image)
+    elif item.modality == "video" and item.video:
+        # The container's raw bytes; its sampling settings are in the kwargs above.
+        h.update(b"container:" + item.video)
     elif item.modality == "video":
         h.update(repr(float(item.fps)).encode())
         for frame in item.frames:
@@ -121,7 +124,8 @@ class RequestBuilder:
         family = served.family
         self.served = served
         self.tokenizer = family.tokenizer()
-        self.processor = family.processor()  # headers only, here
+        # Headers only, here (the video limits come with the family's options).
+        self.processor = family.processor()
         self.modalities = family.modalities
         self.placeholder = family.placeholder_token_ids
 

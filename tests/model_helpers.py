@@ -97,3 +97,54 @@ def encode(image: Image.Image, fmt: str = "PNG") -> bytes:
 
 def png(width: int, height: int, seed: int = 0) -> bytes:
     return encode(random_image(width, height, "RGB", seed))
+
+
+CONTAINER_FORMATS = {"mp4": "mp4", "mov": "mov", "mkv": "matroska", "webm": "webm"}
+
+
+def make_video(
+    fmt: str = "mp4",
+    num_frames: int = 8,
+    fps: float = 4,
+    width: int = 64,
+    height: int = 48,
+    seed: int = 0,
+    still_every: int = 0,
+) -> bytes:
+    """A small video file encoded with PyAV: moving structured noise (so frames differ and
+    resizing has something to do); with `still_every` = k, frames repeat in runs of k (EVS then
+    finds tokens that equal the previous frame's)."""
+    import av
+
+    codec = "libvpx" if fmt == "webm" else "libx264"
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (height, 2 * width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=CONTAINER_FORMATS[fmt]) as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(num_frames):
+            shift = (i // still_every if still_every else i) * 3 % width
+            frame = np.ascontiguousarray(base[:, shift : shift + width])
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def make_audio_only(seconds: float = 0.5) -> bytes:
+    """An MP4 (M4A) holding one AAC audio stream and no video."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("aac", rate=16000)
+        samples = np.zeros((1, int(16000 * seconds)), dtype=np.float32)
+        frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout="mono")
+        frame.sample_rate = 16000
+        for packet in stream.encode(frame):
+            container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()

@@ -155,3 +155,21 @@ def test_bench_connector_cluster(redis_cluster):
     assert result["cluster_get_gbps"] > 0 and result["raw_cluster_get_gbps"] > 0
     assert result["single_get_gbps"] > 0 and result["cluster_has_many_per_s"] > 0
     assert set(summary["cluster_get_vs_raw_cluster_get"]) == {"0.01MiB"}
+
+
+def test_bench_encoder_video(tiny_checkpoint):
+    summary = bench(
+        "encoder",
+        "--video",
+        "--model",
+        str(tiny_checkpoint),
+        "--rounds",
+        "1",
+        "--video-seconds",
+        "2",
+        "--video-size",
+        "112",
+    )
+    assert summary["bench"] == "encoder-video"
+    assert summary["tokens_per_video_evs"] < summary["tokens_per_video_off"]
+    assert summary["ttft_ms_off"] > 0 and summary["ttft_ms_evs"] > 0

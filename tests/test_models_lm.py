@@ -174,7 +174,7 @@ def test_lm_interface(pair):
     ours, _ = pair("qwen2_vl", True)
     lm = ours.lm
     assert (lm.requires_raw_input_tokens, lm.supports_realtime) == (False, False)
-    assert lm.supports_multimodal_pruning is False
+    assert lm.supports_multimodal_pruning is True  # EVS embeddings, stripped by its state
     assert lm.lm_head.weight is lm.embed_tokens.weight  # tied: the head is the embedding matrix
     ids = torch.tensor([1, 2, 3, 4, 5])
     rows = [torch.randn(2, lm.config.hidden_size), torch.randn(1, lm.config.hidden_size)]

@@ -17,12 +17,13 @@ from common.config import load_config
 from common.process import Child, epd_command, free_port
 from common.served_model import resolve_model
 from models import MediaInput
-from models.testing import ImageItem, ReferenceModel
+from models.testing import ImageItem, ReferenceModel, VideoItem
 from proto import epd_pb2, epd_pb2_grpc
 from proxy.prepare import mm_hash
 from tests.cluster_helpers import Cluster, http_json, image_bytes
 from tests.encoder_helpers import image_item
 from tests.helpers import RoleProcess
+from tests.model_helpers import make_audio_only, make_video
 
 MAX_TOKENS = 16
 
@@ -369,3 +370,74 @@ def test_an_encoder_killed_under_load_fails_no_request(cluster):
     assert workers[address]["source"] == "registry"
     tokens, last = cluster.generate("New encoder", [image_bytes(64, 64, 999)], max_tokens=2)
     assert len(tokens) == 2 and last.usage.mm_items_encoded == 1
+
+
+# -- video files -----------------------------------------------------------------------------------
+
+
+def video_part(data: bytes, mime: str = "video/mp4") -> dict:
+    import base64
+
+    url = f"data:{mime};base64," + base64.b64encode(data).decode()
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def test_openai_video_url_equals_reference_and_is_held_the_second_time(cluster, ref):
+    video = make_video("mp4", 16, 4, 112, 112, seed=21)
+    text = "What happens in the clip?"
+    want = ref.generate(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}],
+        [VideoItem(container=video)],
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
+    )
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.proxy_http}/v1", api_key="none")
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": [video_part(video), {"type": "text", "text": text}]}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    assert reply.choices[0].model_extra["token_ids"] == want
+    # The same file over gRPC as container bytes: the same item, held, not encoded again.
+    request = epd_pb2.GenerateRequest(
+        media=[epd_pb2.MediaItem(video_file=video)],
+        sampling=epd_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+    )
+    request.chat.messages.add(
+        role="user",
+        content=[epd_pb2.ContentPart(media_index=0), epd_pb2.ContentPart(text=text)],
+    )
+    responses = list(cluster.stub.Generate(request, timeout=60))
+    assert [t for r in responses for t in r.token_ids] == want
+    usage = responses[-1].usage
+    assert usage.mm_items_held == 1 and usage.mm_items_encoded == 0
+    assert usage.prompt_tokens == reply.usage.prompt_tokens
+
+
+def test_bad_videos_are_invalid_argument_naming_the_problem(cluster):
+    cases = [
+        (b"\x00\x00\x00\x18ftypmp42 but nothing else", "not a readable video container"),
+        (make_audio_only(), "no video stream"),
+        (make_video("mkv", 40, 4, seed=22)[:1500], "no decodable frames"),
+        (make_video("mkv", 40, 4, seed=22)[:12000], "is truncated: its header says 40 frames"),
+    ]
+    for data, words in cases:
+        request = epd_pb2.GenerateRequest(
+            media=[epd_pb2.MediaItem(video_file=data)],
+            sampling=epd_pb2.SamplingParams(max_tokens=2),
+        )
+        request.chat.messages.add(role="user", content=[epd_pb2.ContentPart(media_index=0)])
+        with pytest.raises(grpc.RpcError) as info:
+            list(cluster.stub.Generate(request, timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in info.value.details(), info.value.details()
+    status, body = cluster.http(
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": [video_part(make_audio_only(), "video/mp4")]}],
+        },
+    )
+    assert status == 400 and "no video stream" in body["error"]["message"]

@@ -18,6 +18,7 @@ import pytest
 from common.health import health_status
 from common.process import epd_command, free_port, port_is_free
 from proto import epd_pb2, epd_pb2_grpc
+from tests.model_helpers import make_video
 
 
 class Up:
@@ -81,7 +82,7 @@ def up(tiny_checkpoint):
         u.proc.wait()
 
 
-def test_up_serves_and_ctrl_c_leaves_nothing_behind(up):
+def test_up_serves_and_ctrl_c_leaves_nothing_behind(up, tmp_path):
     # No --model: the built-in model, written on first use (into the tests' private cache).
     cluster = up("--encoders", "2", "--lm-workers", "1", builtin=True)
     cluster.wait_serving()
@@ -125,6 +126,30 @@ def test_up_serves_and_ctrl_c_leaves_nothing_behind(up):
     answer = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(answer["token_ids"]) >= 1
     assert answer["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+
+    # A video file from the command line (a PyAV-made MP4).
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(make_video("mp4", 8, 4, 56, 56, seed=1))
+    result = subprocess.run(
+        epd_command(
+            "generate",
+            "What moves?",
+            "--video",
+            str(clip),
+            "--target",
+            f"127.0.0.1:{cluster.grpc_port}",
+            "--max-tokens",
+            "2",
+            "--ignore-eos",
+            "--json",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(answer["token_ids"]) == 2
 
     cluster.proc.send_signal(signal.SIGINT)
     assert cluster.proc.wait(60) == 0

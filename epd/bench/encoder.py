@@ -1,4 +1,5 @@
-"""`epd bench encoder`: items per second with cross-request batching next to one at a time.
+"""`epd bench encoder`: items per second with cross-request batching next to one at a time
+(`--video`: tokens per video and time to first token with EVS vs off, epd/bench/video.py).
 
 Both sides run the same engine (`MMEncoder.execute_mm_encoder`, preprocessing, tower, puts into
 the same Redis) over the same loaded tower and the same images; only `encoder.max_batch_items`
@@ -33,6 +34,7 @@ from connector.embedded import redis_or_embedded
 from encoder_worker.encoder import EncodeItem, MMEncoder
 from encoder_worker.metrics import EncoderMetrics
 from encoder_worker.tower import Tower, load_tower
+from epd.bench import video
 from models import MediaInput
 
 
@@ -146,6 +148,8 @@ async def bench(args: argparse.Namespace, checkpoint: Path, model: str, url: str
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.video:
+        return video.run(args)
     if args.model:
         checkpoint, model = Path(args.model), args.model
     else:
@@ -171,4 +175,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-batch-items", type=int, default=32, help="the batched side's item cap (32)"
     )
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported")
+    video.add_arguments(p)
     p.set_defaults(func=run)

@@ -15,6 +15,7 @@ transformers reads them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -105,6 +106,8 @@ class ModelArchConfig:
     text: TextConfig
     vision: VisionConfig
     tokens: SpecialTokens
+    # EVS: the fraction of a video's tokens pruned (config.json `video_pruning_rate`; 0: off).
+    video_pruning_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,10 @@ class ProcessorConfig:
     do_normalize: bool = True
     do_convert_rgb: bool = True
     resample: int = 3  # PIL.Image.Resampling.BICUBIC
+    # Video containers: frames sampled per second, and bounds on the sampled count.
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
 
     @property
     def factor(self) -> int:
@@ -170,7 +177,15 @@ def load_arch_config(checkpoint_dir: str | Path) -> ModelArchConfig:
         text=_text_config(cfg, text, path),
         vision=_vision_config(family, cfg.get("vision_config") or {}, path),
         tokens=_special_tokens(cfg, text, generation),
+        video_pruning_rate=check_pruning_rate(cfg.get("video_pruning_rate") or 0.0, str(path)),
     )
+
+
+def check_pruning_rate(q: Any, where: str) -> float:
+    """A video pruning rate in [0, 1) (0: EVS off)."""
+    if isinstance(q, bool) or not isinstance(q, int | float) or not (0 <= q < 1):
+        raise CheckpointError(f"{where}: video_pruning_rate must be in [0, 1), got {q!r}")
+    return float(q)
 
 
 def load_processor_configs(checkpoint_dir: str | Path) -> tuple[ProcessorConfig, ProcessorConfig]:
@@ -342,11 +357,21 @@ def _processor_config(raw: dict[str, Any], base: ProcessorConfig, where: str) ->
         if raw.get(key) is not None:
             seq = raw[key] if isinstance(raw[key], list | tuple) else [raw[key]] * 3
             values[key] = tuple(float(x) for x in seq)
-    if raw.get("rescale_factor") is not None:
-        values["rescale_factor"] = float(raw["rescale_factor"])
+    for key in ("min_frames", "max_frames"):
+        if raw.get(key) is not None:
+            values[key] = int(raw[key])
+    for key in ("rescale_factor", "fps"):
+        if raw.get(key) is not None:
+            values[key] = float(raw[key])
     if raw.get("resample") is not None:
         values["resample"] = int(raw["resample"])
     out = ProcessorConfig(**values)
+    if not (math.isfinite(out.fps) and out.fps > 0):
+        raise CheckpointError(f"{where}: fps must be a positive number, got {out.fps}")
+    if not 1 <= out.min_frames <= out.max_frames:
+        raise CheckpointError(
+            f"{where}: need 1 <= min_frames <= max_frames, got {out.min_frames} / {out.max_frames}"
+        )
     if not 0 < out.min_pixels <= out.max_pixels:
         raise CheckpointError(
             f"{where}: need 0 < min_pixels <= max_pixels, got {out.min_pixels} / {out.max_pixels}"

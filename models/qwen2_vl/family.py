@@ -3,7 +3,7 @@ Qwen2 LM with M-RoPE. What the roles see of it is models.family.ModelFamily."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from functools import cached_property
 from typing import Any
@@ -13,12 +13,18 @@ import torch
 
 from models.attention import AttentionBackend
 from models.checkpoint import CheckpointError, weights_fingerprint
-from models.family import ModelFamily, ModelState, TextDims
+from models.family import EmbeddingMismatch, LoadedEmbedding, ModelFamily, ModelState, TextDims
 from models.media import MMFeature, Modality, ProcessedMedia
-from models.qwen2_vl.config import ModelArchConfig, load_arch_config, load_processor_configs
+from models.qwen2_vl.config import (
+    ModelArchConfig,
+    check_pruning_rate,
+    load_arch_config,
+    load_processor_configs,
+)
+from models.qwen2_vl.evs import POSITION_CHANNELS, prune_video, split_positions
 from models.qwen2_vl.language_model import Qwen2LanguageModel
 from models.qwen2_vl.processing import DEFAULT_MAX_IMAGE_PIXELS, MediaProcessor
-from models.qwen2_vl.rope import MediaSpan, mrope_positions
+from models.qwen2_vl.rope import MediaSpan, mrope_positions, num_placeholder_tokens
 from models.qwen2_vl.vision import VISION_TENSORS, VisionTower
 from models.tokenizer import Tokenizer
 
@@ -29,19 +35,39 @@ PLACEHOLDER_TOKENS = {"image": "<|image_pad|>", "video": "<|video_pad|>"}
 
 
 class VisionEncoder:
-    """The vision tower behind models.family.MediaEncoder: images and video in one forward."""
+    """The vision tower behind models.family.MediaEncoder: images and video in one forward.
 
-    def __init__(self, tower: VisionTower, device: torch.device):
+    With EVS on (`video_pruning_rate` > 0) a video's output is pruned after the tower and
+    carries its kept tokens' M-RoPE positions as trailing channels (models/qwen2_vl/evs.py)."""
+
+    def __init__(self, tower: VisionTower, device: torch.device, video_pruning_rate: float = 0.0):
         self.tower = tower
         self.device = device
         self.dtype = tower.dtype
         self.width = tower.config.out_hidden_size
+        self.video_pruning_rate = video_pruning_rate
 
     def embed(self, batch: Sequence[ProcessedMedia]) -> list[torch.Tensor]:
         pixels = torch.cat([m.pixel_values for m in batch])  # [sum of t*h*w, C * T * P * P]
         if self.device.type == "cuda":
             pixels = pixels.pin_memory().to(self.device, non_blocking=True)
-        return self.tower.embed_multimodal(pixels, [m.grid.grid_thw for m in batch])
+        outputs = self.tower.embed_multimodal(pixels, [m.grid.grid_thw for m in batch])
+        if self.video_pruning_rate <= 0:
+            return outputs
+        config = self.tower.config
+        return [
+            prune_video(
+                out,
+                m.grid.grid_thw,
+                config.spatial_merge_size,
+                self.video_pruning_rate,
+                m.grid.second_per_grid_t,
+                config.tokens_per_second,
+            )
+            if m.grid.modality == "video"
+            else out
+            for out, m in zip(outputs, batch, strict=True)
+        ]
 
 
 class MRopeState(ModelState):
@@ -50,19 +76,66 @@ class MRopeState(ModelState):
 
     position_axes = 3
 
-    def __init__(self, model, hidden_size: int, spatial_merge_size: int, tokens_per_second):
+    def __init__(
+        self,
+        model,
+        hidden_size: int,
+        spatial_merge_size: int,
+        tokens_per_second,
+        video_pruning_rate: float = 0.0,
+    ):
         super().__init__(model, hidden_size)
         self.spatial_merge_size = spatial_merge_size
         self.tokens_per_second = tokens_per_second  # Qwen2.5-VL video time scale; else None
+        self.video_pruning_rate = video_pruning_rate
+
+    def process_mm_embeds(self, mm_hash: str, embeds: torch.Tensor, num_embeds: int):
+        """EVS: a pruned video's embedding is POSITION_CHANNELS wider than the hidden size;
+        split off its kept tokens' positions ([n, 3] t, h, w) for rope_state."""
+        pruned_width = self.hidden_size + POSITION_CHANNELS
+        if embeds.dim() != 2 or embeds.shape[1] != pruned_width:
+            return super().process_mm_embeds(mm_hash, embeds, num_embeds)
+        if self.video_pruning_rate <= 0:
+            raise EmbeddingMismatch(
+                f"embedding {mm_hash} is pruned ({pruned_width} wide, EVS position channels) "
+                "but video pruning is off on this worker"
+            )
+        stripped, positions = split_positions(embeds, self.hidden_size)
+        loaded = super().process_mm_embeds(mm_hash, stripped, num_embeds)
+        widths = positions[:, 3].unique()
+        if len(positions) and (len(widths) != 1 or (positions[:, :3] < 0).any()):
+            raise EmbeddingMismatch(f"embedding {mm_hash} has inconsistent EVS position channels")
+        return LoadedEmbedding(loaded.embeds, positions)
 
     def rope_state(
-        self, num_prompt_tokens: int, features: Sequence[MMFeature]
+        self,
+        num_prompt_tokens: int,
+        features: Sequence[MMFeature],
+        media_positions: Mapping[str, Any] | None = None,
     ) -> tuple[np.ndarray, int]:
-        spans = [
-            MediaSpan(f.offset, f.grid_thw, f.modality, f.second_per_grid_t)
-            for f in features
-            if f.grid_thw is not None and f.modality in ("image", "video")
-        ]
+        media_positions = media_positions or {}
+        spans = []
+        for f in features:
+            if f.grid_thw is None or f.modality not in ("image", "video"):
+                continue
+            kept = media_positions.get(f.mm_hash)
+            if kept is not None:
+                grid_w = f.grid_thw[2] // self.spatial_merge_size
+                if len(kept) != f.length or (len(kept) and int(kept[0, 3]) != grid_w):
+                    raise EmbeddingMismatch(
+                        f"embedding {f.mm_hash}: {len(kept)} pruned positions of grid width "
+                        f"{int(kept[0, 3]) if len(kept) else 0} for {f.length} placeholders of "
+                        f"grid {f.grid_thw}"
+                    )
+                kept = kept[:, :3]
+            elif f.modality == "video" and self.video_pruning_rate > 0:
+                full = num_placeholder_tokens(f.grid_thw, self.spatial_merge_size)
+                if f.length != full:
+                    raise EmbeddingMismatch(
+                        f"video {f.mm_hash} has {f.length} placeholders of {full} (pruned) but "
+                        "its embedding carries no EVS positions"
+                    )
+            spans.append(MediaSpan(f.offset, f.grid_thw, f.modality, f.second_per_grid_t, kept))
         positions, delta = mrope_positions(
             num_prompt_tokens, spans, self.spatial_merge_size, self.tokens_per_second
         )
@@ -83,6 +156,13 @@ class MRopeState(ModelState):
 
 class Qwen2VLFamily(ModelFamily):
     architectures = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
+    @cached_property
+    def video_pruning_rate(self) -> float:
+        """EVS: the configured rate, else config.json's `video_pruning_rate` (0: off)."""
+        if self.options.video_pruning_rate is not None:
+            return check_pruning_rate(self.options.video_pruning_rate, "video_pruning_rate")
+        return self.arch.video_pruning_rate
 
     @cached_property
     def arch(self) -> ModelArchConfig:
@@ -132,8 +212,13 @@ class Qwen2VLFamily(ModelFamily):
         return tokenizer
 
     def processor(self, max_image_pixels: int | None = None) -> MediaProcessor:
+        o = self.options
+        limits = {"max_frames": o.max_video_frames, "max_video_seconds": o.max_video_seconds}
         return MediaProcessor.from_checkpoint(
-            self.path, max_image_pixels=max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS
+            self.path,
+            max_image_pixels=max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS,
+            video_pruning_rate=self.video_pruning_rate,
+            **{k: v for k, v in limits.items() if v is not None},
         )
 
     def fingerprint(self, dtype: torch.dtype) -> str:
@@ -144,12 +229,14 @@ class Qwen2VLFamily(ModelFamily):
             "vision": asdict(self.arch.vision),
             "image": asdict(image),
             "video": asdict(video),
+            # Pruned and unpruned outputs of one video differ: every role must agree on q.
+            "video_pruning_rate": self.video_pruning_rate,
         }
         return weights_fingerprint(self.path, VISION_TENSORS, settings)
 
     def load_encoder(self, dtype: torch.dtype, device: torch.device) -> VisionEncoder:
         tower = VisionTower.from_checkpoint(self.path, self.arch.vision, dtype, device)
-        return VisionEncoder(tower, torch.device(device))
+        return VisionEncoder(tower, torch.device(device), self.video_pruning_rate)
 
     def load_language_model(
         self, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device
@@ -161,5 +248,9 @@ class Qwen2VLFamily(ModelFamily):
     def model_state(self, model) -> MRopeState:
         vision = self.arch.vision
         return MRopeState(
-            model, self.text.hidden_size, vision.spatial_merge_size, vision.tokens_per_second
+            model,
+            self.text.hidden_size,
+            vision.spatial_merge_size,
+            vision.tokens_per_second,
+            self.video_pruning_rate,
         )

@@ -87,7 +87,7 @@ class Qwen2LanguageModel(nn.Module):
     # Capabilities the engine reads once.
     requires_raw_input_tokens = False
     supports_realtime = False
-    supports_multimodal_pruning = False
+    supports_multimodal_pruning = True  # EVS: the model state strips position channels
 
     def __init__(self, config: TextConfig, attn_backend: AttentionBackend):
         super().__init__()

@@ -21,6 +21,7 @@ import io
 import math
 import warnings
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,9 +29,11 @@ import numpy as np
 import torch
 from PIL import Image
 
+from models import video as containers
 from models.checkpoint import CheckpointError
-from models.media import MediaError, MediaGrid, MediaInput, ProcessedMedia
+from models.media import MediaError, MediaGrid, MediaInput, ProcessedMedia, VideoMetadata
 from models.qwen2_vl.config import ProcessorConfig, load_processor_configs
+from models.qwen2_vl.evs import retained_count
 
 VisionModality = Literal["image", "video"]
 
@@ -38,10 +41,29 @@ VisionModality = Literal["image", "video"]
 # NOTE: keep it under twice Pillow's global MAX_IMAGE_PIXELS (179 MP), where Pillow refuses too.
 DEFAULT_MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 DEFAULT_MAX_FRAMES = 768
+DEFAULT_MAX_VIDEO_SECONDS = 3600.0
 # The reference refuses more extreme shapes in smart_resize.
 MAX_ASPECT_RATIO = 200
 # Processor kwargs a request may set per item.
 ITEM_KWARGS = frozenset({"min_pixels", "max_pixels", "size"})
+# ... and for a video container, how its frames are sampled.
+VIDEO_KWARGS = ITEM_KWARGS | {"fps", "min_frames", "max_frames"}
+
+
+def sample_frame_indices(total: int, source_fps: float, cfg: ProcessorConfig) -> list[int]:
+    """The frames a container's stream is sampled at, as transformers' Qwen2-VL video processor
+    picks them: `fps` frames per second of video, clamped to [min_frames, max_frames] and to the
+    stream, a multiple of temporal_patch_size, spread evenly from frame 0."""
+    t = cfg.temporal_patch_size
+    max_frames = math.floor(min(cfg.max_frames, total) / t) * t
+    wanted = min(max(total / source_fps * cfg.fps, cfg.min_frames), max_frames, total)
+    num_frames = math.floor(wanted / t) * t
+    if num_frames <= 0:
+        raise MediaError(
+            f"the video has {total} frames; sampling needs at least {t} (temporal_patch_size)"
+        )
+    # NOTE: float32 steps truncated toward zero, exactly as the reference computes them.
+    return torch.arange(0, total, total / num_frames).int().tolist()
 
 
 def smart_resize(
@@ -78,11 +100,15 @@ class MediaProcessor:
         video_config: ProcessorConfig,
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         max_frames: int = DEFAULT_MAX_FRAMES,
+        max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS,
+        video_pruning_rate: float = 0.0,
     ):
         self.image_config = image_config
         self.video_config = video_config
         self.max_image_pixels = max_image_pixels
-        self.max_frames = max_frames
+        self.max_frames = max_frames  # frames a video may bring to the tower
+        self.max_video_seconds = max_video_seconds  # a container's duration
+        self.video_pruning_rate = video_pruning_rate  # EVS (0: off)
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, **limits: int) -> MediaProcessor:
@@ -96,6 +122,8 @@ class MediaProcessor:
         if item.modality == "image":
             return self.image_grid(item.image, item.kwargs)
         if item.modality == "video":
+            if item.video:
+                return self.video_file_grid(item.video, item.kwargs)
             return self.video_grid(item.frames, item.fps, item.kwargs)
         raise MediaError(f"{item.modality} items: this model takes images and video")
 
@@ -104,6 +132,8 @@ class MediaProcessor:
         if item.modality == "image":
             return self.process_image(item.image, item.kwargs)
         if item.modality == "video":
+            if item.video:
+                return self.process_video_file(item.video, item.kwargs)
             return self.process_video(item.frames, item.fps, item.kwargs)
         raise MediaError(f"{item.modality} items: this model takes images and video")
 
@@ -138,6 +168,41 @@ class MediaProcessor:
         ((width, height),) = sizes
         return self._grid("video", len(frames), height, width, cfg, fps)
 
+    def video_file_grid(self, data: bytes, kwargs: dict[str, Any] | None = None) -> MediaGrid:
+        """The grid and placeholder count of a video container, from its header alone: the
+        stream's frame count, rate and size decide the sampled frames and their size."""
+        cfg = self._config("video", kwargs, allowed=VIDEO_KWARGS)
+        header = containers.probe(data)
+        seconds = header.total_num_frames / header.fps
+        if seconds > self.max_video_seconds:
+            raise MediaError(
+                f"the video is {seconds:.1f} s long, above the limit of "
+                f"{self.max_video_seconds:g} s"
+            )
+        if header.width * header.height > self.max_image_pixels:
+            raise MediaError(
+                f"video frames are {header.width}x{header.height} = "
+                f"{header.width * header.height} pixels, above the limit of "
+                f"{self.max_image_pixels} (decompression bomb protection)"
+            )
+        indices = sample_frame_indices(header.total_num_frames, header.fps, cfg)
+        if len(indices) > self.max_frames:
+            raise MediaError(
+                f"the video samples to {len(indices)} frames, more than {self.max_frames}"
+            )
+        metadata = VideoMetadata(
+            header.total_num_frames,
+            header.fps,
+            header.width,
+            header.height,
+            tuple(indices),
+            header.codec,
+        )
+        grid = self._grid(
+            "video", len(indices), header.height, header.width, cfg, metadata.sampled_fps
+        )
+        return replace(grid, video_metadata=metadata)
+
     # -- full preprocessing --------------------------------------------------------------------
 
     def process_image(self, data: bytes, kwargs: dict[str, Any] | None = None) -> ProcessedMedia:
@@ -154,20 +219,39 @@ class MediaProcessor:
         decoded = (self._decode(data) for data in frames)
         return ProcessedMedia(grid, _pixel_values(decoded, grid, cfg))
 
+    def process_video_file(
+        self, data: bytes, kwargs: dict[str, Any] | None = None
+    ) -> ProcessedMedia:
+        grid = self.video_file_grid(data, kwargs)
+        cfg = self._config("video", kwargs, allowed=VIDEO_KWARGS)
+        meta = grid.video_metadata
+        frames = containers.decode_frames(data, meta.frames_indices, meta.total_num_frames)
+        for frame in frames:
+            if frame.size != (meta.width, meta.height):
+                raise MediaError(
+                    f"a decoded frame is {frame.size[0]}x{frame.size[1]}; the header says "
+                    f"{meta.width}x{meta.height}"
+                )
+        return ProcessedMedia(grid, _pixel_values(frames, grid, cfg))
+
     # -- helpers -------------------------------------------------------------------------------
 
-    def _config(self, modality: VisionModality, kwargs: dict[str, Any] | None) -> ProcessorConfig:
+    def _config(
+        self,
+        modality: VisionModality,
+        kwargs: dict[str, Any] | None,
+        allowed: frozenset[str] = ITEM_KWARGS,
+    ) -> ProcessorConfig:
         base = self.image_config if modality == "image" else self.video_config
         if not kwargs:
             return base
-        unknown = set(kwargs) - ITEM_KWARGS
+        unknown = set(kwargs) - allowed
         size = kwargs.get("size")
         if isinstance(size, dict):
             unknown |= {f"size.{k}" for k in set(size) - {"shortest_edge", "longest_edge"}}
         if unknown:
             raise MediaError(
-                f"unknown {modality} processor kwargs {sorted(unknown)}; "
-                f"allowed: {sorted(ITEM_KWARGS)}"
+                f"unknown {modality} processor kwargs {sorted(unknown)}; allowed: {sorted(allowed)}"
             )
         try:
             return base.with_overrides(kwargs)
@@ -201,6 +285,9 @@ class MediaProcessor:
         grid = (-(-num_frames // t), height // cfg.patch_size, width // cfg.patch_size)
         tokens = grid[0] * grid[1] * grid[2] // cfg.merge_size**2
         second_per_grid_t = t / fps if fps is not None else None
+        if modality == "video" and self.video_pruning_rate > 0:
+            kept = retained_count(grid, cfg.merge_size, self.video_pruning_rate)
+            return MediaGrid(modality, grid, kept, second_per_grid_t, num_unpruned_tokens=tokens)
         return MediaGrid(modality, grid, tokens, second_per_grid_t)
 
     def _open(self, data: bytes) -> Image.Image:

@@ -29,6 +29,9 @@ class MediaSpan:
     grid_thw: tuple[int, int, int]  # patches along (time, height, width), before merging
     modality: Literal["image", "video"]
     second_per_grid_t: float | None = None  # video only (Qwen2.5-VL)
+    # EVS: the kept tokens' (t, h, w) positions [n, 3] as if the item stood at position 0; the
+    # run then holds n tokens. None: every token of the grid, positions from the grid.
+    positions: torch.Tensor | None = None
 
 
 def num_placeholder_tokens(grid_thw: Sequence[int], spatial_merge_size: int) -> int:
@@ -58,6 +61,13 @@ def mrope_positions(
             pieces.append(torch.arange(span.offset - cursor).expand(3, -1) + pos)
             pos += span.offset - cursor
         t, h, w = span.grid_thw[0], span.grid_thw[1] // m, span.grid_thw[2] // m
+        if span.positions is not None:
+            # A pruned item: its kept tokens' own positions; text resumes as after the whole
+            # grid, so the text around a video sits where it would with every token kept.
+            pieces.append(span.positions.T.long() + pos)
+            pos += max(h, w)
+            cursor = span.offset + span.positions.shape[0]
+            continue
         temporal = torch.arange(t)
         if span.modality == "video" and tokens_per_second is not None:
             if span.second_per_grid_t is None:

@@ -50,9 +50,10 @@ class ImageItem:
 
 @dataclass(frozen=True)
 class VideoItem:
-    frames: tuple[bytes, ...]  # encoded frames, all the same size
-    fps: float
+    frames: tuple[bytes, ...] = ()  # encoded frames, all the same size
+    fps: float = 0.0
     kwargs: dict[str, Any] | None = None
+    container: bytes = b""  # or a whole video file (MP4, WebM, ...), sampled by the processor
 
 
 MediaItem = ImageItem | VideoItem
@@ -112,7 +113,12 @@ class ReferenceModel:
             else:
                 if token != tokens.video_token_id:
                     raise ValueError("a video item sits at an image placeholder")
-                processed.append(self.processor.process_video(item.frames, item.fps, item.kwargs))
+                if item.container:
+                    processed.append(self.processor.process_video_file(item.container, item.kwargs))
+                else:
+                    processed.append(
+                        self.processor.process_video(item.frames, item.fps, item.kwargs)
+                    )
         expanded, runs = expand_placeholders(
             ids,
             (tokens.image_token_id, tokens.video_token_id),
