@@ -260,6 +260,8 @@ class EncoderConfig:
     # Images (and video frames) above this many pixels, read from the header, are refused
     # before decoding (decompression-bomb protection).
     max_image_pixels: int = 64 * 1024 * 1024
+    # Audio clips longer than this, read from the header, are refused before decoding.
+    max_audio_seconds: float = 600.0
     # Prometheus /metrics over HTTP on this port, on the listen host (0: off).
     metrics_port: int = 0
 
@@ -268,6 +270,7 @@ class EncoderConfig:
         if self.advertise is not None:
             parse_address(self.advertise, "advertise")
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
+        _check_positive("max_audio_seconds", self.max_audio_seconds)
         for key in ("max_batch_items", "max_batch_tokens", "max_image_pixels"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")

@@ -75,7 +75,9 @@ def load_tower(config: ClusterConfig) -> tuple[Tower, ServedModel]:
     a thread)."""
     served = resolve_model(config)
     device = resolve_device(config.encoder.device, "encoder.device")
-    processor = served.family.processor(config.encoder.max_image_pixels)
+    processor = served.family.processor(
+        config.encoder.max_image_pixels, config.encoder.max_audio_seconds
+    )
     tower = Tower(processor, served.family.load_encoder(served.dtype, device))
     tower.warm_up()
     return tower, served

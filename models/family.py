@@ -170,6 +170,9 @@ class ModelFamily(ABC):
     weights load only when a role asks for its module."""
 
     architectures: ClassVar[tuple[str, ...]]  # config.json `architectures` it serves
+    # The family builds the whole prompt from the request's one media item (speech
+    # transcription: `media_prompt`); text and chat prompts do not apply.
+    prompt_from_media: ClassVar[bool] = False
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -208,7 +211,15 @@ class ModelFamily(ABC):
     def tokenizer(self) -> Tokenizer: ...
 
     @abstractmethod
-    def processor(self, max_image_pixels: int | None = None) -> MediaProcessor: ...
+    def processor(
+        self, max_image_pixels: int | None = None, max_audio_seconds: float | None = None
+    ) -> MediaProcessor: ...
+
+    def media_prompt(self, grid: MediaGrid) -> tuple[list[int], int, int]:
+        """(prompt token ids, offset, length) of a request made of one media item, for
+        `prompt_from_media` families. The placeholders may run past the prompt: positions the
+        decode steps fill (realtime models)."""
+        raise NotImplementedError(f"{type(self).__name__} takes text or chat prompts")
 
     @abstractmethod
     def fingerprint(self, dtype: torch.dtype) -> str:

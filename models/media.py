@@ -71,6 +71,8 @@ class MediaGrid:
     num_tokens: int  # placeholder tokens the item expands to
     # Video only: seconds covered by one temporal patch.
     second_per_grid_t: float | None = None
+    # Audio only: the clip's length in seconds (from its header).
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ class Proxy:
         self.config = config
         self.served = served
         self.metrics = metrics
-        self.builder = RequestBuilder(served)
+        self.builder = RequestBuilder(served, config.encoder.max_audio_seconds)
         family = served.family
         self.card = epd_pb2.ModelCard(
             id=served.name,

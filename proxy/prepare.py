@@ -92,11 +92,13 @@ def mm_hash(fingerprint: str, item: MediaInput) -> str:
 class RequestBuilder:
     """Turns prompts and media into PreparedRequests for one served model."""
 
-    def __init__(self, served: ServedModel):
+    def __init__(self, served: ServedModel, max_audio_seconds: float | None = None):
         family = served.family
         self.served = served
+        self.family = family
         self.tokenizer = family.tokenizer()
-        self.processor = family.processor()  # headers only, here
+        # Headers only, here.
+        self.processor = family.processor(max_audio_seconds=max_audio_seconds)
         self.modalities = family.modalities
         self.placeholder = family.placeholder_token_ids
 
@@ -110,6 +112,16 @@ class RequestBuilder:
         return_prompt_token_ids: bool = False,
     ) -> PreparedRequest:
         started = time.perf_counter()
+        if self.family.prompt_from_media:
+            ids, items = self._media_prompt(prompt, media)
+            return PreparedRequest(
+                request_id=request_id or f"req-{uuid.uuid4().hex[:20]}",
+                prompt_token_ids=ids,
+                items=items,
+                sampling=sampling,
+                return_prompt_token_ids=return_prompt_token_ids,
+                preprocess_seconds=time.perf_counter() - started,
+            )
         if isinstance(prompt, str):
             ids, order = self.tokenizer.encode(prompt), list(range(len(media)))
         elif prompt and isinstance(prompt[0], ChatMessage):
@@ -137,6 +149,26 @@ class RequestBuilder:
             return_prompt_token_ids=return_prompt_token_ids,
             preprocess_seconds=time.perf_counter() - started,
         )
+
+    def _media_prompt(
+        self, prompt: str | Sequence[ChatMessage] | Sequence[int], media: Sequence[MediaInput]
+    ) -> tuple[list[int], list[PreparedItem]]:
+        """The family builds the prompt from the one item (e.g. a transcription)."""
+        kinds = ", ".join(self.modalities)
+        if prompt:
+            raise BadInput(f"this model takes one {kinds} item and no prompt (send an empty one)")
+        if len(media) != 1:
+            raise BadInput(f"this model takes exactly one {kinds} item, got {len(media)}")
+        item = media[0]
+        if item.modality not in self.modalities:
+            raise BadInput(self._unsupported(0, item.modality))
+        try:
+            grid = self.processor.grid(item)
+            ids, offset, length = self.family.media_prompt(grid)
+        except MediaError as e:
+            raise BadInput(f"media item 0: {e.reason}") from None
+        prepared = PreparedItem(mm_hash(self.served.fingerprint, item), item, grid, offset, length)
+        return ids, [prepared]
 
     def _chat(
         self, messages: Sequence[ChatMessage], media: Sequence[MediaInput], continue_final: bool

@@ -131,7 +131,9 @@ class Qwen2VLFamily(ModelFamily):
                 )
         return tokenizer
 
-    def processor(self, max_image_pixels: int | None = None) -> MediaProcessor:
+    def processor(
+        self, max_image_pixels: int | None = None, max_audio_seconds: float | None = None
+    ) -> MediaProcessor:
         return MediaProcessor.from_checkpoint(
             self.path, max_image_pixels=max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS
         )

@@ -71,19 +71,21 @@ class AudioProcessor:
         return max(1, round(seconds * self.features.sampling_rate))
 
     def grid(self, item: MediaInput) -> MediaGrid:
-        positions = audio.num_positions(self.num_samples(item), self.streaming)
-        return MediaGrid("audio", (positions, 1, 1), positions)
+        n = self.num_samples(item)
+        positions = audio.num_positions(n, self.streaming)
+        seconds = n / self.features.sampling_rate
+        return MediaGrid("audio", (positions, 1, 1), positions, seconds=seconds)
 
     def preprocess(self, item: MediaInput) -> ProcessedMedia:
-        n = self.num_samples(item)
+        grid = self.grid(item)
+        n = round(grid.seconds * self.features.sampling_rate)
         samples = audio.decode(item.audio, self.features.sampling_rate)
         if not np.any(samples):
             raise MediaError("the clip is silent (every sample is zero)")
         # The header's length decides the placeholder count: the decoded clip is held to it.
         samples = np.pad(samples[:n], (0, max(0, n - samples.shape[0])))
         padded = audio.pad_for_transcription(samples, self.streaming)
-        positions = padded.shape[0] // self.streaming.samples_per_token
-        grid = MediaGrid("audio", (positions, 1, 1), positions)
+        assert padded.shape[0] == grid.num_tokens * self.streaming.samples_per_token
         return ProcessedMedia(grid, torch.from_numpy(padded))
 
     def warmup_item(self) -> MediaInput:
@@ -121,6 +123,7 @@ class SpeechEncoder:
 
 class VoxtralRealtimeFamily(ModelFamily):
     architectures = (ARCHITECTURE,)
+    prompt_from_media = True
 
     @cached_property
     def arch(self) -> VoxtralConfig:
@@ -186,6 +189,9 @@ class VoxtralRealtimeFamily(ModelFamily):
         return AudioProcessor(
             self.features, self.streaming, max_audio_seconds or DEFAULT_MAX_AUDIO_SECONDS
         )
+
+    def media_prompt(self, grid: MediaGrid) -> tuple[list[int], int, int]:
+        return self.transcription_prompt(grid.num_tokens)
 
     def transcription_prompt(self, num_positions: int) -> tuple[list[int], int, int]:
         """(prompt ids, offset, length) of a transcription whose clip fills `num_positions`:
