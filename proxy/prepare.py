@@ -155,6 +155,8 @@ class RequestBuilder:
     ) -> tuple[list[int], list[PreparedItem]]:
         """The family builds the prompt from the one item (e.g. a transcription)."""
         kinds = ", ".join(self.modalities)
+        if prompt and isinstance(prompt[0], ChatMessage):  # a chat that only holds the item
+            prompt = "".join(p.text or "" for m in prompt for p in m.parts).strip()
         if prompt:
             raise BadInput(f"this model takes one {kinds} item and no prompt (send an empty one)")
         if len(media) != 1:

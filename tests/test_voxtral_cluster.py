@@ -168,3 +168,15 @@ def test_a_text_prompt_or_an_image_is_refused(cluster):
         list(cluster.stub.Generate(request, timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "image items are not supported" in info.value.details()
+
+
+def test_a_chat_holding_only_the_audio_is_a_transcription(cluster, clip):
+    wav, expected = clip
+    request = epd_pb2.GenerateRequest(
+        media=[epd_pb2.MediaItem(audio=epd_pb2.AudioClip(data=wav))],
+        sampling=epd_pb2.SamplingParams(temperature=0.0),
+    )
+    request.chat.messages.add(role="user", content=[epd_pb2.ContentPart(media_index=0)])
+    tokens = [t for r in cluster.stub.Generate(request, timeout=60) for t in r.token_ids]
+    prompt_len = len(expected) - len(tokens)
+    assert tokens == expected[prompt_len:] and prompt_len > 0
