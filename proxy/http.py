@@ -6,7 +6,9 @@
     POST /v1/audio/transcriptions   multipart `file` (WAV, FLAC, OGG, MP3), model, language,
                                 temperature, response_format json | text | verbose_json,
                                 stream (SSE: transcript.text.delta / .done events, as OpenAI's);
-                                vLLM's return_token_ids. Only for models that transcribe audio
+                                vLLM's return_token_ids. Only for models that transcribe audio;
+                                `language` is echoed in verbose_json (the prompt is the
+                                family's and carries no language)
     GET  /v1/models             the served model
     GET  /health                per role: healthy / degraded / unavailable (503 when nothing
                                 can serve)
