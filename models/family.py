@@ -5,7 +5,8 @@ checkpoint they serve (`models.load_family(path)`, which reads config.json's `ar
 and ask it:
 
     proxy     tokenizer(), placeholder_token_ids, processor().grid(item) (headers only),
-              modalities, fingerprint(dtype), text.max_position_embeddings
+              modalities, fingerprint(dtype), text.max_position_embeddings; for
+              `prompt_from_media` families (speech transcription) media_prompt(grid)
     encoder   processor().preprocess(item), load_encoder(dtype, device), processor().warmup_item()
     LM        text (sizes), eos_token_ids, tokenizer(), load_language_model(backend, dtype,
               device), model_state(model)
