@@ -354,6 +354,8 @@ class EncoderConfig:
     # config.json `video_pruning_rate`; 0: off. Every role reads it: it sets placeholder counts
     # and is part of the embeddings' fingerprint.
     video_pruning_rate: float | None = None
+    # Audio clips longer than this, read from the header, are refused before decoding.
+    max_audio_seconds: float = 600.0
     # Prometheus /metrics over HTTP on this port, on the listen host (0: off).
     metrics_port: int = 0
 
@@ -362,6 +364,7 @@ class EncoderConfig:
         if self.advertise is not None:
             parse_address(self.advertise, "advertise")
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
+        _check_positive("max_audio_seconds", self.max_audio_seconds)
         for key in ("max_batch_items", "max_batch_tokens", "max_image_pixels", "max_video_frames"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")

@@ -44,6 +44,7 @@ def resolve_model(config: ClusterConfig) -> ServedModel:
         video_pruning_rate=e.video_pruning_rate,
         max_video_frames=e.max_video_frames,
         max_video_seconds=e.max_video_seconds,
+        max_audio_seconds=e.max_audio_seconds,
     )
     family = load_family(path, options)
     dtype = family.dtype if config.model.dtype == "auto" else getattr(torch, config.model.dtype)

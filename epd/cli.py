@@ -273,7 +273,9 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
 
     mk = sub.add_parser("make-model", help="write a random checkpoint (tests, benchmarks)")
     mk.add_argument("out", help="output directory (created; must be empty)")
-    mk.add_argument("--arch", choices=["qwen2_5_vl", "qwen2_vl"], default="qwen2_5_vl")
+    mk.add_argument(
+        "--arch", choices=["qwen2_5_vl", "qwen2_vl", "voxtral_realtime"], default="qwen2_5_vl"
+    )
     mk.add_argument("--size", choices=["tiny", "small"], default="tiny")
     mk.add_argument("--seed", type=int, default=0)
     mk.set_defaults(func=cmd_make_model)

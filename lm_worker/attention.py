@@ -61,6 +61,7 @@ class PagedAttention:
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         meta: PagedAttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         k_cache, v_cache = self.kv_cache[layer_idx]  # each [num_blocks, block_size, kvh, d]
         num_kv_heads, head_dim = k.shape[1:]
@@ -70,7 +71,7 @@ class PagedAttention:
         parts = []
         num_decodes = meta.num_decodes
         if num_decodes:
-            parts.append(self._decode(q[:num_decodes], k_cache, v_cache, meta))
+            parts.append(self._decode(q[:num_decodes], k_cache, v_cache, meta, sliding_window))
         start = num_decodes
         for n, seq_len, table in zip(
             meta.prefill_query_lens, meta.prefill_seq_lens, meta.prefill_block_tables, strict=True
@@ -84,6 +85,7 @@ class PagedAttention:
                     v_cache,
                     seq_len,
                     table,
+                    sliding_window,
                 )
             )
             start += n
@@ -91,13 +93,18 @@ class PagedAttention:
             parts.append(torch.zeros_like(q[start:]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _decode(self, q, k_cache, v_cache, meta: PagedAttentionMetadata) -> torch.Tensor:
+    def _decode(
+        self, q, k_cache, v_cache, meta: PagedAttentionMetadata, window: int | None
+    ) -> torch.Tensor:
         D, _, head_dim = q.shape
         tables = meta.decode_block_tables  # [D, M]
         L = tables.shape[1] * self.block_size
         keys = k_cache[tables].view(D, L, -1, head_dim).transpose(1, 2)  # [D, kvh, L, d]
         values = v_cache[tables].view(D, L, -1, head_dim).transpose(1, 2)
-        valid = torch.arange(L, device=q.device) < meta.decode_seq_lens[:, None]  # [D, L]
+        index = torch.arange(L, device=q.device)
+        valid = index < meta.decode_seq_lens[:, None]  # [D, L]
+        if window is not None:  # only the last `window` keys (tensor ops: capturable)
+            valid &= index >= meta.decode_seq_lens[:, None] - window
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [D, H, 1, d]
             keys,
@@ -108,8 +115,31 @@ class PagedAttention:
         )
         return out.squeeze(2)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, seq_len: int, table) -> torch.Tensor:
+    def _prefill(
+        self, q, k, v, k_cache, v_cache, seq_len: int, table, window: int | None
+    ) -> torch.Tensor:
         n = q.shape[0]
+        if window is not None and window < seq_len:
+            head_dim = q.shape[2]
+            start = max(0, seq_len - n - window + 1)  # the first key any query can see
+            if seq_len == n:
+                keys, values = k, v
+            else:
+                keys = k_cache[table].view(-1, k.shape[1], head_dim)[:seq_len]
+                values = v_cache[table].view(-1, v.shape[1], head_dim)[:seq_len]
+            keys, values = keys[start:], values[start:]
+            qpos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
+            kpos = torch.arange(start, seq_len, device=q.device)[None, :]
+            mask = (kpos <= qpos) & (qpos - kpos < window)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            return out.transpose(0, 1)
         if seq_len == n:  # nothing cached before this chunk: attend to the chunk itself
             keys, values, mask, causal = k, v, None, True
         else:

@@ -119,8 +119,19 @@ class LMEngine:
         if max(ids) >= vocab_size or min(ids) < 0:
             bad = max(ids) if max(ids) >= vocab_size else min(ids)
             raise BadRequest(f"token id {bad} is outside the vocabulary ({vocab_size})")
+        # Placeholders past the prompt are positions decode steps fill: realtime models only.
+        end = request.embeds_end
+        if end > request.num_prompt_tokens and not self.runner.is_realtime:
+            raise BadRequest(
+                f"media placeholders run to position {end}, outside the {len(ids)}-token prompt "
+                "(only realtime models take embeddings on decode steps)"
+            )
+        if end > self.max_model_len:
+            raise BadRequest(
+                f"the audio fills {end} positions; this worker's context is {self.max_model_len}"
+            )
         blocks = self.scheduler.blocks
-        need = blocks.blocks_needed(request.num_prompt_tokens + 1)
+        need = blocks.blocks_needed(max(request.num_prompt_tokens + 1, end))
         if need > blocks.num_usable:
             raise BadRequest(
                 f"the prompt needs {need} KV blocks; this worker has {blocks.num_usable}"
@@ -289,6 +300,11 @@ class LMEngine:
             p.max_tokens is not None and len(request.output_token_ids) >= p.max_tokens
         ):
             return "length"
+        end = request.embeds_end
+        if request.realtime_session is None and request.num_prompt_tokens < end <= (
+            request.num_tokens
+        ):
+            return "stop"  # every audio position is consumed
         return None
 
     def _detokenize(self, live: _Live, token_id: int, final: bool) -> tuple[str, bool]:

@@ -61,5 +61,12 @@ class Request:
         return self.status is Status.FINISHED
 
     @property
+    def embeds_end(self) -> int:
+        """One past the last position that takes a media embedding (0 without media). Past
+        the prompt (realtime models), decode steps add those positions' embeddings and the
+        request ends once they are all consumed."""
+        return max((f.offset + f.length for f in self.mm_features), default=0)
+
+    @property
     def mm_hashes(self) -> list[str]:
         return [f.mm_hash for f in self.mm_features]

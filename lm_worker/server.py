@@ -47,10 +47,11 @@ def to_request(msg: epd_pb2.LMGenerateRequest) -> Request:
     for f in msg.mm_features:
         if not f.mm_hash:
             raise BadRequest("an mm_feature has no mm_hash")
-        if f.offset < end or f.offset + f.length > len(ids) or f.length == 0:
+        # Whether placeholders may run past the prompt (realtime models) is the engine's call.
+        if f.offset < end or f.offset >= len(ids) or f.length == 0:
             raise BadRequest(
                 f"mm_feature {f.mm_hash}: placeholders [{f.offset}, {f.offset + f.length}) "
-                f"overlap another item or fall outside the {len(ids)}-token prompt"
+                f"overlap another item or start outside the {len(ids)}-token prompt"
             )
         if f.is_embed and len(f.is_embed) != f.length:
             raise BadRequest(

@@ -22,5 +22,6 @@ class AttentionBackend(Protocol):
         k: torch.Tensor,  # [T, num_kv_heads, head_dim], rotary applied
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         attn_metadata: Any,
+        sliding_window: int | None = None,  # each query sees itself and the W - 1 before it
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...

@@ -5,7 +5,8 @@ checkpoint they serve (`models.load_family(path)`, which reads config.json's `ar
 and ask it:
 
     proxy     tokenizer(), placeholder_token_ids, processor().grid(item) (headers only),
-              modalities, fingerprint(dtype), text.max_position_embeddings
+              modalities, fingerprint(dtype), text.max_position_embeddings; for
+              `prompt_from_media` families (speech transcription) media_prompt(grid)
     encoder   processor().preprocess(item), load_encoder(dtype, device), processor().warmup_item()
     LM        text (sizes), eos_token_ids, tokenizer(), load_language_model(backend, dtype,
               device), model_state(model)
@@ -123,6 +124,7 @@ class FamilyOptions:
     video_pruning_rate: float | None = None  # EVS; 0: off
     max_video_frames: int | None = None  # frames one video may bring to the encoder
     max_video_seconds: float | None = None  # a video container's duration
+    max_audio_seconds: float | None = None  # an audio clip's duration (from its header)
 
 
 class ModelState:
@@ -197,6 +199,9 @@ class ModelFamily(ABC):
     weights load only when a role asks for its module."""
 
     architectures: ClassVar[tuple[str, ...]]  # config.json `architectures` it serves
+    # The family builds the whole prompt from the request's one media item (speech
+    # transcription: `media_prompt`); text and chat prompts do not apply.
+    prompt_from_media: ClassVar[bool] = False
 
     def __init__(self, path: str | Path, options: FamilyOptions | None = None):
         self.path = Path(path)
@@ -237,6 +242,12 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def processor(self, max_image_pixels: int | None = None) -> MediaProcessor: ...
+
+    def media_prompt(self, grid: MediaGrid) -> tuple[list[int], int, int]:
+        """(prompt token ids, offset, length) of a request made of one media item, for
+        `prompt_from_media` families. The placeholders may run past the prompt: positions the
+        decode steps fill (realtime models)."""
+        raise NotImplementedError(f"{type(self).__name__} takes text or chat prompts")
 
     @abstractmethod
     def fingerprint(self, dtype: torch.dtype) -> str:

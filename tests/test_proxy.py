@@ -224,6 +224,26 @@ def test_corrupt_image_is_invalid_argument_and_the_next_request_succeeds(cluster
     assert len(tokens) == 2
 
 
+def test_audio_to_an_image_model_is_invalid_argument(cluster):
+    """A wrong-modality item (audio for an image-only model) and a transcription request to a
+    model that does not transcribe: INVALID_ARGUMENT / 400 naming the problem."""
+    wav = b"RIFF" + b"\x00" * 60
+    request = epd_pb2.GenerateRequest(
+        media=[epd_pb2.MediaItem(audio=epd_pb2.AudioClip(data=wav))],
+        sampling=epd_pb2.SamplingParams(max_tokens=2),
+    )
+    request.chat.messages.add(role="user", content=[epd_pb2.ContentPart(media_index=0)])
+    with pytest.raises(grpc.RpcError) as info:
+        list(cluster.stub.Generate(request, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "audio items are not supported by this model" in info.value.details()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.proxy_http}/v1", api_key="x")
+    with pytest.raises(openai.BadRequestError, match="does not transcribe audio"):
+        client.audio.transcriptions.create(model="tiny", file=("a.wav", wav))
+    tokens, _ = cluster.generate("Still fine", max_tokens=2)
+    assert len(tokens) == 2
+
+
 def test_client_cancel_and_abort_reach_the_lm_worker(cluster):
     request = epd_pb2.GenerateRequest(
         request_id="to-abort", text="Go on", sampling=epd_pb2.SamplingParams(max_tokens=5000)

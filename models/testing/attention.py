@@ -53,6 +53,7 @@ class ContiguousKVAttention:
         k: torch.Tensor,
         v: torch.Tensor,
         attn_metadata: ContiguousKVMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         start = 0
@@ -64,7 +65,7 @@ class ContiguousKVAttention:
                 new_k, new_v = torch.cat([old_k, new_k]), torch.cat([old_v, new_v])
             layers[layer_idx] = (new_k, new_v)
             out[start : start + n] = causal_attention(
-                q[start : start + n], new_k, new_v, self.scale
+                q[start : start + n], new_k, new_v, self.scale, sliding_window
             )
             start += n
         assert start == q.shape[0], (start, q.shape)
@@ -76,12 +77,15 @@ def causal_attention(
     k: torch.Tensor,  # [L, num_kv_heads, head_dim]
     v: torch.Tensor,  # [L, num_kv_heads, head_dim]
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [n, num_heads, head_dim]
     n, num_heads, _ = q.shape
     total = k.shape[0]
     groups = num_heads // k.shape[1]
     # Query i (0-based among the n new ones) sees keys 0 .. total - n + i.
     mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=total - n)
+    if sliding_window is not None:  # and no further back than sliding_window - 1 keys
+        mask &= ~torch.ones_like(mask).tril(diagonal=total - n - sliding_window)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
         k.repeat_interleave(groups, dim=1).transpose(0, 1),

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from models.checkpoint import read_header, weight_map
 from models.qwen2_vl.vision import VISION_TENSORS
 
-Arch = Literal["qwen2_vl", "qwen2_5_vl"]
+Arch = Literal["qwen2_vl", "qwen2_5_vl", "voxtral_realtime"]
 Size = Literal["tiny", "small"]
 
 ARCH_CLASSES = {
@@ -191,8 +191,13 @@ def make_checkpoint(
 
     `overrides` replace fields of the size's `Shape` (e.g. tie_word_embeddings=True).
     """
+    if arch == "voxtral_realtime":
+        from models.testing.make_voxtral import make_voxtral_checkpoint
+
+        return make_voxtral_checkpoint(out_dir, size, seed, **overrides)
     if arch not in ARCH_CLASSES:
-        raise ValueError(f"arch must be one of {sorted(ARCH_CLASSES)}, got {arch!r}")
+        known = sorted([*ARCH_CLASSES, "voxtral_realtime"])
+        raise ValueError(f"arch must be one of {known}, got {arch!r}")
     if size not in SHAPES:
         raise ValueError(f"size must be one of {sorted(SHAPES)}, got {size!r}")
     shape = replace(SHAPES[size], **overrides)
