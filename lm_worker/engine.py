@@ -42,6 +42,9 @@ class RequestOutput:
     logprobs: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    # With "error": "request" when the rest of its batch ran (the request's own failure, not
+    # to be retried elsewhere), "worker" otherwise.
+    error_kind: str = "worker"
     # Set on the last output.
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -165,6 +168,7 @@ class LMEngine:
             "kv_blocks_total": s.blocks.num_usable,
             "tokens_per_second": self._rate.per_second(),
             "batch_size": self._steps.mean(),
+            "max_model_len": self.max_model_len,
         }
 
     def run_to_completion(self) -> None:
@@ -220,20 +224,29 @@ class LMEngine:
         if not batch.requests:
             return False
         self.metrics.preemptions.inc(len(batch.preempted))
-        self._run_isolating(batch)
+        failed: list[tuple[Request, Exception]] = []
+        if self._run_isolating(batch, failed) and failed:
+            self.metrics.isolated_failures.inc(len(failed))
+        # Some of the batch ran: the failures are the requests' own. None did: the worker's.
+        kind = "request" if len(failed) < len(batch) else "worker"
+        for request, e in failed:
+            self._finish(request, "error", error=f"LM worker step failed: {e}", error_kind=kind)
         return True
 
-    def _run_isolating(self, batch: ScheduledBatch) -> None:
+    def _run_isolating(
+        self, batch: ScheduledBatch, failed: list[tuple[Request, Exception]]
+    ) -> bool:
+        """Run the batch, in halves if it raises, down to single requests (collected in
+        `failed`). True when any part of it had to be isolated."""
         try:
             self.execute(batch)
-            return
+            return False
         except Exception as e:
             if len(batch) == 1:
                 request = batch.requests[0]
                 logger.exception("engine step failed for request %s", request.request_id)
-                self.metrics.isolated_failures.inc()
-                self._finish(request, "error", error=f"LM worker step failed: {e}")
-                return
+                failed.append((request, e))
+                return True
             logger.warning("engine step of %d requests failed (%s): isolating", len(batch), e)
         half = len(batch) // 2
         pairs = list(zip(batch.requests, batch.num_scheduled_tokens, strict=True))
@@ -246,7 +259,8 @@ class LMEngine:
                     num_scheduled_tokens=[n for _, n in part],
                     num_decodes=sum(1 for _, n in part if n == 1),
                 )
-                self._run_isolating(sub)
+                self._run_isolating(sub, failed)
+        return True
 
     def step(self) -> bool:
         batch = self.scheduler.schedule()
@@ -383,6 +397,7 @@ class LMEngine:
         out: RequestOutput | None = None,
         emit: bool = True,
         error: str | None = None,
+        error_kind: str = "worker",
     ) -> None:
         """End a request: free its blocks and embeddings, complete its last output."""
         self.scheduler.finish(request, reason)
@@ -394,6 +409,7 @@ class LMEngine:
         out = out or RequestOutput(request.request_id)
         out.finish_reason = reason
         out.error = error
+        out.error_kind = error_kind
         out.num_prompt_tokens = request.num_prompt_tokens
         out.num_output_tokens = len(request.output_token_ids)
         out.num_cached_tokens = request.num_cached_tokens

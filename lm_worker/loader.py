@@ -20,9 +20,6 @@ from models import ModelFamily
 
 logger = logging.getLogger(__name__)
 
-# Under CUDA graphs the decode attention reads max_model_len keys per sequence (static shapes):
-# without an explicit lm.max_model_len the context is capped here.
-DEFAULT_MAX_MODEL_LEN = 8192
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
@@ -41,7 +38,7 @@ def build_engine(
     if use_graphs and device.type != "cuda":
         raise RuntimeError("lm.cuda_graphs is on but the LM runs on the CPU: set it to auto or off")
     text = family.text
-    max_model_len = lm.max_model_len or min(text.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    max_model_len = lm.context_length(text.max_position_embeddings)
     if max_model_len > text.max_position_embeddings:
         raise RuntimeError(
             f"lm.max_model_len {max_model_len} exceeds the model's max_position_embeddings "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -69,6 +70,7 @@ class Frontend:
         lms: WorkerPool,
         metrics: ProxyMetrics,
         retries: int,
+        encode_timeout: float,
     ):
         self.connector = connector
         self.encoders = encoders
@@ -76,15 +78,19 @@ class Frontend:
         self.metrics = metrics
         self.retries = retries
         self.dispatcher = EncodeDispatcher(encoders, metrics, retries)
-        self.running: dict[str, Worker] = {}  # request id -> the LM worker serving it
+        self.encode_timeout = encode_timeout
+        # Client request id -> {the LM call's own id: its worker}. Clients' ids may collide;
+        # each LM call gets a unique id, so every one of them stays abortable.
+        self.running: dict[str, dict[str, Worker]] = {}
 
     async def abort(self, request_id: str) -> bool:
         """Abort a running request; its stream ends with FINISH_REASON_ABORT."""
-        worker = self.running.get(request_id)
-        if worker is None:
-            return False
-        reply = await worker.stub.Abort(epd_pb2.AbortRequest(request_id=request_id), timeout=5)
-        return reply.aborted
+        calls = list(self.running.get(request_id, {}).items())
+        aborted = False
+        for lm_id, worker in calls:
+            reply = await worker.stub.Abort(epd_pb2.AbortRequest(request_id=lm_id), timeout=5)
+            aborted = aborted or reply.aborted
+        return aborted
 
     async def generate(self, req: PreparedRequest, deadline: float) -> AsyncIterator[Chunk]:
         usage = epd_pb2.Usage(mm_items=len(req.items))
@@ -103,7 +109,7 @@ class Frontend:
             missing = [i for i, h in zip(req.items, held, strict=True) if not h]
             self._count(usage, "held", len(req.items) - len(missing))
             if missing:
-                encodes, joined = self.dispatcher.submit(missing, deadline)
+                encodes, joined = self.dispatcher.submit(missing, self._encode_deadline())
                 self._count(usage, "deduplicated", sum(joined))
                 for future, was_joined in zip(encodes, joined, strict=True):
                     future.add_done_callback(_consume)  # retrieved even if this request ends
@@ -125,6 +131,9 @@ class Frontend:
                 yield chunk
         finally:
             encode_watch.cancel()
+
+    def _encode_deadline(self) -> float:
+        return time.monotonic() + self.encode_timeout
 
     def _count(self, usage: epd_pb2.Usage, result: str, n: int) -> None:
         """One place counts media items, for the request's usage and for the metrics."""
@@ -149,8 +158,9 @@ class Frontend:
     async def _stream_lm(
         self, req: PreparedRequest, deadline: float, encode_watch: asyncio.Future
     ) -> AsyncIterator[Chunk]:
+        lm_id = f"{req.request_id}@{uuid.uuid4().hex[:12]}"
         msg = epd_pb2.LMGenerateRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling
+            request_id=lm_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling
         )
         for item in req.items:
             t, h, w = item.grid.grid_thw
@@ -171,7 +181,7 @@ class Frontend:
             produced = False
             tokens = len(req.prompt_token_ids)
             worker.outstanding += tokens
-            self.running[req.request_id] = worker
+            self.running.setdefault(req.request_id, {})[lm_id] = worker
             call = worker.stub.Generate(msg, timeout=max(deadline - time.monotonic(), 0.01))
             try:
                 async for chunk in self._relay(call, req, deadline, encode_watch):
@@ -188,9 +198,11 @@ class Frontend:
                 code = e.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise BadInput(e.details()) from None
-                if code in RETRYABLE:
+                # The client's own deadline passing is no fault of the worker's.
+                expired = code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline
+                if code in RETRYABLE and not expired:
                     self.lms.failed(worker, f"Generate: {code.name}: {e.details()}")
-                if produced or code not in RETRYABLE or attempt + 1 >= self.retries:
+                if expired or produced or code not in RETRYABLE or attempt + 1 >= self.retries:
                     if isinstance(e, CallLost):
                         raise Unavailable(e.details()) from None
                     raise
@@ -198,7 +210,10 @@ class Frontend:
                 await asyncio.sleep(backoff(attempt))
             finally:
                 worker.outstanding -= tokens
-                self.running.pop(req.request_id, None)
+                calls = self.running.get(req.request_id, {})
+                calls.pop(lm_id, None)
+                if not calls:
+                    self.running.pop(req.request_id, None)
                 call.cancel()  # no-op when finished; aborts the LM request otherwise
 
     async def _relay(self, call, req: PreparedRequest, deadline: float, encode_watch):
@@ -247,7 +262,7 @@ class Frontend:
                 "%s: re-encoding %d items the LM worker found missing", req.request_id, len(lost)
             )
             self.metrics.reencodes.inc(len(lost))
-            futures, _ = self.dispatcher.submit(lost, deadline)
+            futures, _ = self.dispatcher.submit(lost, self._encode_deadline())
             for f in futures:  # failures surface through the LM's wait timing out
                 f.add_done_callback(_consume)
 

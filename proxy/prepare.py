@@ -127,6 +127,8 @@ class RequestBuilder:
                 grid = self.processor.grid(item)
             except MediaError as e:
                 raise BadInput(f"media item {index}: {e.reason}") from None
+            except (ArithmeticError, TypeError, ValueError) as e:  # kwargs the math refuses
+                raise BadInput(f"media item {index}: its settings cannot be used: {e}") from None
             items.append(PreparedItem(mm_hash(self.served.fingerprint, item), item, grid))
         ids = self._expand(ids, items)
         return PreparedRequest(

@@ -26,6 +26,7 @@ from proxy.frontend import Chunk
 from proxy.http import HttpApi
 from proxy.metrics import ProxyMetrics
 from proxy.prepare import BadInput, ChatMessage, Part
+from proxy.validate import check_generate, refuse_malformed, tolerant_add
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +46,13 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
         self.role: RoleServer | None = None
 
     async def Generate(self, request: epd_pb2.GenerateRequest, context):
+        await refuse_malformed(request, context)
         async with self.role.work(context):
             proxy = self.proxy
             status = grpc.StatusCode.OK
             try:
                 proxy.check_model(request.model)
+                check_generate(request, proxy.limits(), proxy.served.family.text.vocab_size)
                 media = [media_from_proto(m) for m in request.media]
                 kind = request.WhichOneof("prompt")
                 if kind == "chat":
@@ -101,6 +104,7 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
         await unimplemented(context, "Inference.Realtime", "a realtime audio model")
 
     async def Abort(self, request: epd_pb2.AbortRequest, context) -> epd_pb2.AbortResponse:
+        await refuse_malformed(request, context)
         try:
             return epd_pb2.AbortResponse(
                 aborted=await self.proxy.frontend.abort(request.request_id)
@@ -109,6 +113,7 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"LM worker: {e.details()}")
 
     async def ListModels(self, request, context) -> epd_pb2.ListModelsResponse:
+        await refuse_malformed(request, context)
         return epd_pb2.ListModelsResponse(models=[self.proxy.card])
 
 
@@ -132,7 +137,7 @@ async def serve(config: ClusterConfig, name: str) -> int:
     service = Service(
         epd_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
         servicer,
-        epd_pb2_grpc.add_InferenceServicer_to_server,
+        tolerant_add(epd_pb2_grpc.add_InferenceServicer_to_server),
     )
     listen = f"{config.proxy.host}:{config.proxy.grpc_port}"
     server = servicer.role = RoleServer(name, listen, [service])

@@ -62,6 +62,7 @@ def test_a_request_that_breaks_its_step_fails_alone(tiny_checkpoint, cases):
     out = run(engine, *cases, (bad, {}))
     assert out["bad"].last.finish_reason == "error"
     assert "step failed" in out["bad"].last.error
+    assert out["bad"].last.error_kind == "request"
     for c in cases:
         assert out[c.request_id].last.finish_reason == "length", c.request_id
         assert out[c.request_id].token_ids == c.expected, c.request_id
