@@ -52,6 +52,7 @@ class Proxy:
         self.served = served
         self.metrics = metrics
         self.builder = RequestBuilder(served)
+        self.builder.max_item_tokens = config.proxy.max_item_tokens
         family = served.family
         self.card = epd_pb2.ModelCard(
             id=served.name,

@@ -394,13 +394,8 @@ async def refuse_malformed(request: Any, context) -> None:
 
 
 def check_prepared(prepared: PreparedRequest, limits: Limits) -> None:
-    """The expanded prompt against the context and the per-item limits; before any encode."""
-    for i, item in enumerate(prepared.items):
-        if item.grid.num_tokens > limits.max_item_tokens:
-            raise BadInput(
-                f"media item {i} becomes {item.grid.num_tokens} tokens, more than "
-                f"{limits.max_item_tokens} (proxy.max_item_tokens; lower its max_pixels)"
-            )
+    """The expanded prompt against the context, before any encode is dispatched (the
+    per-item token limit is the builder's, before the prompt is expanded)."""
     prompt = len(prepared.prompt_token_ids)
     if prompt >= limits.context:
         raise BadInput(
