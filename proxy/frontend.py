@@ -155,13 +155,16 @@ class Frontend:
         await asyncio.gather(*encodes)
         timings.encode_seconds = time.perf_counter() - started
 
-    async def _stream_lm(
-        self, req: PreparedRequest, deadline: float, encode_watch: asyncio.Future
-    ) -> AsyncIterator[Chunk]:
-        lm_id = f"{req.request_id}@{uuid.uuid4().hex[:12]}"
+    def _lm_message(self, req: PreparedRequest, lm_id: str, sent: list[int]):
+        """The LM request: the prompt, and after a migration the tokens already sent appended
+        to it (their KV is recomputed on the new worker; max_tokens counts what is left)."""
         msg = epd_pb2.LMGenerateRequest(
             request_id=lm_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling
         )
+        if sent:
+            msg.prompt_token_ids.extend(sent)
+            if req.sampling.HasField("max_tokens"):
+                msg.sampling.max_tokens = req.sampling.max_tokens - len(sent)
         for item in req.items:
             t, h, w = item.grid.grid_thw
             msg.mm_features.add(
@@ -172,20 +175,44 @@ class Frontend:
                 grid=epd_pb2.GridTHW(t=t, h=h, w=w),
                 second_per_grid_t=item.grid.second_per_grid_t or 0.0,
             )
+        return msg
+
+    async def _stream_lm(
+        self, req: PreparedRequest, deadline: float, encode_watch: asyncio.Future
+    ) -> AsyncIterator[Chunk]:
+        """The LM's chunks. A call that fails for the worker's sake (it died, froze, was cut
+        off) before any output is retried on another worker; after some output the request
+        migrates: another worker continues from the prompt plus the tokens already sent, and
+        the client's stream goes on with no token repeated or skipped. (Greedy requests
+        continue token-identically; a seeded one continues with a fresh draw; a stop string
+        spanning the cut is not seen.)"""
+        sent: list[int] = []  # output token ids the client has been sent
         tried: set[str] = set()
         for attempt in range(self.retries):
             worker = self.lms.pick(exclude=tried) or self.lms.pick()
             if worker is None:
                 raise Unavailable("no LM worker is available")
             tried.add(worker.address)
-            produced = False
-            tokens = len(req.prompt_token_ids)
+            lm_id = f"{req.request_id}@{uuid.uuid4().hex[:12]}"
+            msg = self._lm_message(req, lm_id, sent)
+            carried = len(sent)  # output tokens this call takes as prompt
+            if msg.sampling.HasField("max_tokens") and msg.sampling.max_tokens < 1:
+                usage = epd_pb2.Usage(
+                    prompt_tokens=len(req.prompt_token_ids), completion_tokens=carried
+                )
+                finish = epd_pb2.FINISH_REASON_LENGTH
+                yield Chunk(finish_reason=finish, usage=usage, timings=epd_pb2.StageTimings())
+                return
+            tokens = len(msg.prompt_token_ids)
             worker.outstanding += tokens
             self.running.setdefault(req.request_id, {})[lm_id] = worker
             call = worker.stub.Generate(msg, timeout=max(deadline - time.monotonic(), 0.01))
             try:
                 async for chunk in self._relay(call, req, deadline, encode_watch):
-                    produced = True
+                    sent.extend(chunk.token_ids)
+                    if carried and chunk.usage is not None:  # counted as the client sees it
+                        chunk.usage.prompt_tokens -= carried
+                        chunk.usage.completion_tokens += carried
                     yield chunk
                 self.lms.succeeded(worker)
                 return
@@ -202,11 +229,21 @@ class Frontend:
                 expired = code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline
                 if code in RETRYABLE and not expired:
                     self.lms.failed(worker, f"Generate: {code.name}: {e.details()}")
-                if expired or produced or code not in RETRYABLE or attempt + 1 >= self.retries:
+                if expired or code not in RETRYABLE or attempt + 1 >= self.retries:
                     if isinstance(e, CallLost):
                         raise Unavailable(e.details()) from None
                     raise
-                self.metrics.retries.labels("lm").inc()
+                if sent:
+                    self.metrics.migrations.inc()
+                    logger.warning(
+                        "%s: LM worker %s failed after %d tokens (%s): migrating",
+                        req.request_id,
+                        worker.address,
+                        len(sent),
+                        code.name,
+                    )
+                else:
+                    self.metrics.retries.labels("lm").inc()
                 await asyncio.sleep(backoff(attempt))
             finally:
                 worker.outstanding -= tokens
