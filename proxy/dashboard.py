@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
@@ -68,6 +69,7 @@ from typing import Any
 import redis
 from aiohttp import web
 
+from connector.registry import restarts_key
 from proxy.core import Proxy
 from proxy.workers import Worker, overall_status
 
@@ -194,6 +196,8 @@ class Dashboard:
         self.started = time.time()
         self.history = History(history_seconds)
         self.redis_info: dict[str, Any] = {"reachable": False, "error": "not checked yet"}
+        # Role name -> {"restarts", "last", "reason"}: what `epd up`'s supervisor did.
+        self.restarts: dict[str, dict[str, Any]] = {}
         self._last: dict[str, Any] | None = None  # counters at the previous sample
         self._recent: deque[tuple[float, dict]] = deque(maxlen=RECENT_SECONDS)
         self._ticks = 0
@@ -264,7 +268,8 @@ class Dashboard:
                 pipe.info("memory")
                 pipe.info("stats")
                 pipe.dbsize()
-                memory, stats, keys = await pipe.execute()
+                pipe.hgetall(restarts_key(proxy.config.connector.namespace))
+                memory, stats, keys, restarts = await pipe.execute()
         except (redis.RedisError, OSError, TimeoutError, ValueError) as e:
             self.redis_info = {
                 **self.redis_info,
@@ -283,6 +288,13 @@ class Dashboard:
             "error": "",
             "checked": round(time.time(), 1),
         }
+        self.restarts = {}
+        for name, value in sorted(restarts.items()):
+            name = name.decode() if isinstance(name, bytes) else name
+            try:
+                self.restarts[name] = json.loads(value)
+            except ValueError:
+                continue  # not ours
 
     async def run(self) -> None:
         """Sample every `interval` seconds, on the second; Redis every REDIS_POLL_TICKS."""
@@ -321,6 +333,7 @@ class Dashboard:
             "cache": {},
             "traffic": {},
             "history": self.history.columns(since, self.interval),
+            "restarts": self.restarts,
         }
         if proxy is None:
             return state
