@@ -121,7 +121,13 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_MODULES = ("epd.bench.connector", "epd.bench.encoder", "epd.bench.lm", "epd.bench.proxy")
+BENCH_MODULES = (
+    "epd.bench.connector",
+    "epd.bench.encoder",
+    "epd.bench.lm",
+    "epd.bench.proxy",
+    "epd.bench.soak",
+)
 
 
 def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:

@@ -91,3 +91,30 @@ def test_bench_proxy(tiny_checkpoint):
         str(free_port()),
     )
     assert summary["proxy_p50_ms"] > 0 and summary["held_vs_cold_ttft"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_soak(tiny_checkpoint):
+    summary = bench(
+        "soak",
+        "--model",
+        str(tiny_checkpoint),
+        "--minutes",
+        "0.15",
+        "--interval-seconds",
+        "4",
+        "--concurrency",
+        "2",
+        "--max-tokens",
+        "4",
+        "--image-size",
+        "56",
+        "--grpc-port",
+        str(free_port()),
+        "--http-port",
+        str(free_port()),
+    )
+    assert summary["bench"] == "soak" and summary["requests"] > 0
+    assert summary["errors"] == 0, summary["intervals"]
+    assert len(summary["intervals"]) >= 2
+    assert set(summary["rss_growth_mib"]) >= {"proxy", "lm-0", "encoder-0", "redis"}
