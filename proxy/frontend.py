@@ -51,6 +51,15 @@ class CallLost(Exception):
 
 
 @dataclass
+class _Running:
+    """A request in the frontend: its LM call now (its own id, the worker), and whether a
+    client aborted it."""
+
+    call: tuple[str, Worker] | None = None
+    aborted: bool = False
+
+
+@dataclass
 class Chunk:
     """What the frontend streams to either API: a token delta, and on the last one the rest."""
 
@@ -79,18 +88,19 @@ class Frontend:
         self.retries = retries
         self.dispatcher = EncodeDispatcher(encoders, metrics, retries)
         self.encode_timeout = encode_timeout
-        # Client request id -> {the LM call's own id: its worker}. Clients' ids may collide;
-        # each LM call gets a unique id, so every one of them stays abortable.
-        self.running: dict[str, dict[str, Worker]] = {}
+        # Client request id -> the requests running under it. Clients' ids may collide; each
+        # LM call gets a unique id, so every one of them stays abortable.
+        self.running: dict[str, list[_Running]] = {}
 
     async def abort(self, request_id: str) -> bool:
         """Abort a running request; its stream ends with FINISH_REASON_ABORT."""
-        calls = list(self.running.get(request_id, {}).items())
-        aborted = False
-        for lm_id, worker in calls:
-            reply = await worker.stub.Abort(epd_pb2.AbortRequest(request_id=lm_id), timeout=5)
-            aborted = aborted or reply.aborted
-        return aborted
+        requests = list(self.running.get(request_id, ()))
+        for running in requests:
+            running.aborted = True  # a request between two LM calls (migrating) stops too
+            if running.call is not None:
+                lm_id, worker = running.call
+                await worker.stub.Abort(epd_pb2.AbortRequest(request_id=lm_id), timeout=5)
+        return bool(requests)
 
     async def generate(self, req: PreparedRequest, deadline: float) -> AsyncIterator[Chunk]:
         usage = epd_pb2.Usage(mm_items=len(req.items))
@@ -186,9 +196,28 @@ class Frontend:
         the client's stream goes on with no token repeated or skipped. (Greedy requests
         continue token-identically; a seeded one continues with a fresh draw; a stop string
         spanning the cut is not seen.)"""
+        running = _Running()
+        self.running.setdefault(req.request_id, []).append(running)
+        try:
+            async for chunk in self._attempts(req, deadline, encode_watch, running):
+                yield chunk
+        finally:
+            same_id = self.running.get(req.request_id, [])
+            same_id.remove(running)
+            if not same_id:
+                self.running.pop(req.request_id, None)
+
+    async def _attempts(self, req, deadline, encode_watch, running) -> AsyncIterator[Chunk]:
         sent: list[int] = []  # output token ids the client has been sent
         tried: set[str] = set()
         for attempt in range(self.retries):
+            if running.aborted:  # aborted while it migrated
+                usage = epd_pb2.Usage(
+                    prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(sent)
+                )
+                finish = epd_pb2.FINISH_REASON_ABORT
+                yield Chunk(finish_reason=finish, usage=usage, timings=epd_pb2.StageTimings())
+                return
             worker = self.lms.pick(exclude=tried) or self.lms.pick()
             if worker is None:
                 raise Unavailable("no LM worker is available")
@@ -205,7 +234,7 @@ class Frontend:
                 return
             tokens = len(msg.prompt_token_ids)
             worker.outstanding += tokens
-            self.running.setdefault(req.request_id, {})[lm_id] = worker
+            running.call = (lm_id, worker)
             call = worker.stub.Generate(msg, timeout=max(deadline - time.monotonic(), 0.01))
             try:
                 async for chunk in self._relay(call, req, deadline, encode_watch):
@@ -247,10 +276,7 @@ class Frontend:
                 await asyncio.sleep(backoff(attempt))
             finally:
                 worker.outstanding -= tokens
-                calls = self.running.get(req.request_id, {})
-                calls.pop(lm_id, None)
-                if not calls:
-                    self.running.pop(req.request_id, None)
+                running.call = None
                 call.cancel()  # no-op when finished; aborts the LM request otherwise
 
     async def _relay(self, call, req: PreparedRequest, deadline: float, encode_watch):

@@ -183,6 +183,28 @@ def test_sigstop_of_an_lm_worker_mid_stream_migrates_its_streams(cluster, undist
         assert r.tokens == undisturbed[i], i
 
 
+def test_a_frozen_lm_worker_is_found_within_seconds(cluster):
+    """SIGSTOP: its TCP still answers, only the process does not. Keepalive pings answered
+    within 3 s find it (gRPC's default ping timeout of 60 s kept it SERVING about 64 s)."""
+    wait_healthy(cluster)
+    frozen = cluster.roles["lm-1"]
+    frozen.child.signal(signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        while True:
+            workers = cluster.http("/health")[1]["roles"]["lm"]["workers"]
+            status = {w["address"]: w["status"] for w in workers}[frozen.address]
+            if status != "SERVING":
+                break
+            assert time.monotonic() - started < 20, "the frozen worker still looks SERVING"
+            time.sleep(0.05)
+        found = time.monotonic() - started
+    finally:
+        frozen.child.signal(signal.SIGCONT)
+    print(f"chaos SIGSTOP idle lm: found {status} after {found:.1f}s")
+    assert found < 10
+
+
 def image_load(seed: int) -> list[epd_pb2.GenerateRequest]:
     return [request(i, [image_bytes(84, 56, seed + i)]) for i in range(STREAMS)]
 
