@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -150,6 +151,9 @@ class ConnectorConfig:
     # redis://[user:password@]host:port/db, rediss:// for TLS. None: `epd up` starts the
     # embedded server; the single-role commands need it set.
     url: str | None = None
+    # standalone: one Redis (or a primary at a fixed address). cluster: Redis Cluster / Valkey
+    # cluster (or a managed cluster-mode endpoint): url names any node, the rest is discovered.
+    mode: Literal["standalone", "cluster"] = "standalone"
     # Prefix of every key, so several clusters can share one Redis.
     namespace: str = "epd"
     # Lifetime of a published embedding. Eviction before then is normal: a miss re-encodes.
@@ -178,6 +182,13 @@ class ConnectorConfig:
         _check_positive("op_timeout_seconds", self.op_timeout_seconds)
         if self.retries < 0:
             raise ConfigError("retries", f"must be >= 0, got {self.retries}")
+        if self.mode == "cluster" and self.url is not None:
+            if self.url.startswith("unix://"):
+                raise ConfigError("url", "a Redis Cluster is reached over TCP, not unix://")
+            if urlsplit(self.url).path.strip("/") not in ("", "0"):
+                raise ConfigError(
+                    "url", f"Redis Cluster has only database 0; {self.url!r} selects another"
+                )
 
     def connector_options(self, local_tier: bool = False) -> dict[str, Any]:
         """The EC connector's constructor keywords (connector/ takes plain values, never this
@@ -190,6 +201,7 @@ class ConnectorConfig:
             "local_tier_bytes": self.local_cache_bytes if local_tier else 0,
             "op_timeout": self.op_timeout_seconds,
             "retries": self.retries,
+            "mode": self.mode,
         }
 
 
@@ -223,9 +235,14 @@ class ProxyConfig:
     load_poll_seconds: float = 0.5
     # On SIGTERM: how long requests in flight may take to finish before the proxy exits.
     drain_timeout_seconds: float = 30.0
+    # Single flight across proxies: a proxy encoding an item keeps a "being encoded" mark on it
+    # in Redis, refreshed every third of this; another proxy waits for the item instead of
+    # encoding it, and takes over when a mark lapses (its proxy died) before the item appears.
+    encode_mark_ttl_seconds: float = 3.0
 
     def __post_init__(self):
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
+        _check_positive("encode_mark_ttl_seconds", self.encode_mark_ttl_seconds)
         _check_positive("request_timeout_seconds", self.request_timeout_seconds)
         _check_positive("circuit_cooldown_seconds", self.circuit_cooldown_seconds)
         _check_positive("load_poll_seconds", self.load_poll_seconds)
@@ -323,6 +340,10 @@ class LMConfig:
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     # Largest decode batch captured; larger batches run eagerly.
     max_graph_batch_size: int = 64
+    # The CPU's linear kernel: auto (timed at start-up over the model's own layers, the fastest
+    # that matches F.linear; cached per CPU and model shape), linear (torch's F.linear), onednn
+    # (oneDNN on weights packed once).
+    cpu_linear: Literal["auto", "linear", "onednn"] = "auto"
     # How long a request may wait for its embeddings to appear in the cache.
     embedding_timeout_seconds: float = 120.0
     # On SIGTERM: how long running requests may take to finish before the worker exits.
@@ -400,6 +421,7 @@ class ClusterConfig:
             "role": kind,
             "address": getattr(self, kind).address,
             "interval": self.registry.heartbeat_seconds,
+            "mode": self.connector.mode,
         }
 
     def check_role(self, role: str) -> None:

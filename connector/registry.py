@@ -1,6 +1,7 @@
 """Worker registration through Redis: workers come and go without a proxy restart.
 
-A SERVING worker announces itself every `heartbeat_seconds` in a sorted set per role,
+A SERVING worker announces itself every `heartbeat_seconds` in a sorted set per role (one key,
+so one slot and one shard in cluster mode),
 
     {namespace}:registry:{role}  member = the address the proxy should dial, score = unix ms
 
@@ -18,7 +19,7 @@ import time
 import redis
 import redis.asyncio as aioredis
 
-from connector.client import async_client
+from connector.client import Mode, async_client
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +37,19 @@ def restarts_key(namespace: str) -> str:
 class Heartbeat:
     """A worker's announcement loop (started once SERVING, stopped when draining)."""
 
-    def __init__(self, url: str, namespace: str, role: str, address: str, interval: float):
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        role: str,
+        address: str,
+        interval: float,
+        mode: Mode = "standalone",
+    ):
         self.key = registry_key(namespace, role)
         self.address = address
         self.interval = interval
-        self.client: aioredis.Redis = async_client(url, retries=0)
+        self.client: aioredis.Redis = async_client(url, retries=0, mode=mode)
         self.task: asyncio.Task | None = None
 
     async def start(self) -> None:

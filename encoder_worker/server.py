@@ -90,7 +90,9 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
     async def load(self) -> None:
         """Redis reachable, the tower loaded and warm, the batch loop running."""
         c = self.config
-        await wait_until_reachable(c.connector.url, c.connector.startup_wait_seconds)
+        await wait_until_reachable(
+            c.connector.url, c.connector.startup_wait_seconds, c.connector.mode
+        )
         self.tower, served = await asyncio.to_thread(load_tower, c)
         self.connector = AsyncECConnector(
             fingerprint=served.fingerprint,

@@ -41,6 +41,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             "proxy.grpc_port": args.grpc_port,
             "proxy.http_port": args.http_port,
             "connector.url": args.redis_url,
+            "connector.mode": "cluster" if args.redis_cluster else None,
         },
     )
     setup_logging("epd-up", config.log_level)
@@ -127,6 +128,7 @@ BENCH_MODULES = (
     "epd.bench.lm",
     "epd.bench.proxy",
     "epd.bench.soak",
+    "epd.bench.serve",
 )
 
 
@@ -142,6 +144,12 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     up.add_argument("--encoders", type=int, default=1, help="encoder workers (default 1)")
     up.add_argument("--lm-workers", type=int, default=1, help="LM workers (default 1)")
     up.add_argument("--redis-url", help="use this Redis instead of starting the embedded one")
+    up.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="the Redis is a Redis Cluster (--redis-url names any node; without a URL, "
+        "a 3-master cluster of embedded servers)",
+    )
     up.add_argument("--host", default="127.0.0.1", help="proxy bind address (default 127.0.0.1)")
     up.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING"

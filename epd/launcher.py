@@ -35,6 +35,7 @@ from common.health import health_status
 from common.process import Child, epd_command, free_port, port_is_free
 from common.served_model import resolve_model
 from connector import EmbeddedRedis, EmbeddedServerError, redact_url
+from connector.embedded import EmbeddedCluster
 from connector.registry import restarts_key
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class LocalCluster:
         self.config = config
         self.host = host
         self.startup_timeout = startup_timeout
-        self.redis: EmbeddedRedis | None = None
+        self.redis: EmbeddedRedis | EmbeddedCluster | None = None
         self.run_dir = Path(tempfile.mkdtemp(prefix="epd-up-"))
         self.encoders = [
             Role(f"encoder-{i}", "encoder", f"127.0.0.1:{free_port()}") for i in range(num_encoders)
@@ -132,7 +133,9 @@ class LocalCluster:
             self.config = dataclasses.replace(self.config, model=model)
         url = self.config.connector.url
         if url is None:
-            self.redis = EmbeddedRedis()
+            cluster_mode = self.config.connector.mode == "cluster"
+            # In cluster mode without a URL: a 3-master cluster of embedded servers.
+            self.redis = EmbeddedCluster(masters=3) if cluster_mode else EmbeddedRedis()
             try:
                 self.redis.start()
             except EmbeddedServerError as e:
@@ -208,6 +211,8 @@ class LocalCluster:
         c = self.config
         http = f"http://{self.host}:{c.proxy.http_port}"
         redis_note = "embedded" if self.redis else "external"
+        if c.connector.mode == "cluster":
+            redis_note += ", cluster mode"
         lines = [
             f"epd cluster SERVING in {elapsed:.1f}s: model {c.model.served_name}",
             f"  gRPC       {self.proxy.address}  (epd.v1.Inference)",
@@ -228,8 +233,8 @@ class LocalCluster:
                 for role in self.roles:
                     if role.child is not None:
                         role.child.signal(signal.SIGKILL)
-                if self.redis is not None and self.redis.child is not None:
-                    self.redis.child.signal(signal.SIGKILL)
+                for child in self._redis_children():
+                    child.signal(signal.SIGKILL)
             self.stopping = True
         self._wake.set()
 
@@ -250,8 +255,15 @@ class LocalCluster:
                 return 0
             now = time.monotonic()
             watched = [(r.supervision, r.child) for r in self.roles]
-            if self.redis is not None:
+            if isinstance(self.redis, EmbeddedRedis):
                 watched.insert(0, (self.redis_supervision, self.redis.child))
+            elif any(child.poll() is not None for child in self._redis_children()):
+                # A node of the embedded Redis Cluster: not restarted (its slots would need
+                # re-assigning); the cluster stops, loudly.
+                print(
+                    "an embedded Redis Cluster node exited; stopping the cluster", file=sys.stderr
+                )
+                return 1
             for sup, child in watched:
                 dead = sup.due is None and child is not None and child.poll() is not None
                 if dead and not self._died(sup, child.poll(), now):
@@ -315,6 +327,10 @@ class LocalCluster:
                 r.hset(restarts_key(c.namespace), sup.name, json.dumps(value))
         except (redis.RedisError, OSError) as e:
             logger.warning("could not record %s's restart in Redis: %s", sup.name, e)
+
+    def _redis_children(self) -> list[Child]:
+        servers = self.redis.nodes if self.redis is not None else []
+        return [s.child for s in servers if s.child is not None]
 
     def stop(self) -> None:
         """Proxy first, then the workers (they drain in parallel), then Redis."""

@@ -1,4 +1,5 @@
 """The LM role ("PD" of EPD): continuous-batched prefill and decode over gathered embeddings.
 
-The step loop is in engine.py (LMEngine.step); server.py is the gRPC edge (`epd lm`).
+The step loop is in engine.py (LMEngine.step); loader.py builds it from the served family;
+server.py is the gRPC edge (`epd lm`).
 """

@@ -84,6 +84,7 @@ class LMEngine:
         max_model_len: int,
         emit: Emit | None = None,
         registry: CollectorRegistry | None = REGISTRY,
+        linear_kernel: str = "",
     ):
         self.runner = runner
         self.scheduler = scheduler
@@ -93,6 +94,7 @@ class LMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.linear_kernel = linear_kernel  # the loader's choice: linear / onednn / cuda
         self.emit = emit or deliver
         self.metrics = EngineMetrics(registry)
         self.live: dict[str, _Live] = {}

@@ -8,11 +8,11 @@ import logging
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from common.config import LMConfig
+from common.config import LMConfig, cache_dir
 from common.device import resolve_device
 from lm_worker.attention import PagedAttention
 from lm_worker.block_manager import BlockManager
-from lm_worker.cpu_gemv import pack_linear_layers
+from lm_worker.cpu_kernels import choose_linear_kernel, use_kernel
 from lm_worker.engine import Emit, LMEngine
 from lm_worker.model_runner import ModelRunner
 from lm_worker.scheduler import Scheduler
@@ -46,15 +46,18 @@ def build_engine(
         )
     attention = PagedAttention(lm.block_size, text.head_dim)
     model = family.load_language_model(attention, dtype, device)
+    kernel = "cuda"
     if device.type == "cpu":
-        pack_linear_layers(model)
+        kernel = _choose_cpu_kernel(lm, model)
     num_blocks = _num_kv_blocks(lm, family, dtype, device)
     max_model_len = _fit_context(lm, max_model_len, num_blocks)
     attention.allocate(text.num_layers, num_blocks, text.num_kv_heads, text.head_dim, dtype, device)
     logger.info(
-        "LM on %s (%s): %d KV blocks of %d tokens (%.2f GiB), context %d, CUDA graphs %s",
+        "LM on %s (%s, %s linear): %d KV blocks of %d tokens (%.2f GiB), context %d, "
+        "CUDA graphs %s",
         device,
         dtype,
+        kernel,
         num_blocks,
         lm.block_size,
         attention.kv_cache.nbytes / 2**30,
@@ -87,6 +90,7 @@ def build_engine(
         max_model_len,
         emit=emit,
         registry=registry,
+        linear_kernel=kernel,
     )
 
 
@@ -113,6 +117,16 @@ def _fit_context(lm: LMConfig, max_model_len: int, num_blocks: int) -> int:
         capacity,
     )
     return capacity
+
+
+def _choose_cpu_kernel(lm: LMConfig, model: torch.nn.Module) -> str:
+    """`lm.cpu_linear`, or (auto) the kernel measured fastest here for this model."""
+    if lm.cpu_linear != "auto":
+        use_kernel(model, lm.cpu_linear)
+        return lm.cpu_linear
+    kernel, timings = choose_linear_kernel(model, min(lm.max_num_seqs, 32), cache_dir())
+    logger.info("CPU linear kernel: %s (ms per pass over the layers: %s)", kernel, timings)
+    return kernel
 
 
 def _num_kv_blocks(

@@ -178,7 +178,9 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
     async def load(self) -> None:
         """Model, KV cache, graphs and a warm-up step, then the connector."""
         c = self.config
-        await wait_until_reachable(c.connector.url, c.connector.startup_wait_seconds)
+        await wait_until_reachable(
+            c.connector.url, c.connector.startup_wait_seconds, c.connector.mode
+        )
         served = await asyncio.to_thread(resolve_model, c)
         loop = asyncio.get_running_loop()
 

@@ -64,7 +64,7 @@ class Proxy:
         self.connector = AsyncECConnector(
             fingerprint=served.fingerprint, **c.connector.connector_options()
         )
-        self.redis = async_client(c.connector.url)
+        self.redis = async_client(c.connector.url, mode=c.connector.mode)
         gauges = {"up_gauge": metrics.worker_up, "circuit_gauge": metrics.worker_circuit_open}
         self.encoders = WorkerPool(
             "encoder", epd_pb2_grpc.EncoderStub, c.proxy.encoders, c, self.redis, **gauges
@@ -79,6 +79,7 @@ class Proxy:
             metrics,
             c.proxy.retries,
             c.proxy.request_timeout_seconds,
+            c.proxy.encode_mark_ttl_seconds,
         )
         self.pending = 0
         self.context = c.lm.context_length(family.text.max_position_embeddings)

@@ -69,6 +69,7 @@ from typing import Any
 import redis
 from aiohttp import web
 
+from connector.client import store_stats
 from connector.registry import restarts_key
 from proxy.core import Proxy
 from proxy.workers import Worker, overall_status
@@ -264,12 +265,8 @@ class Dashboard:
             return
         try:
             async with asyncio.timeout(REDIS_TIMEOUT):
-                pipe = proxy.redis.pipeline(transaction=False)
-                pipe.info("memory")
-                pipe.info("stats")
-                pipe.dbsize()
-                pipe.hgetall(restarts_key(proxy.config.connector.namespace))
-                memory, stats, keys, restarts = await pipe.execute()
+                memory, stats, keys = await store_stats(proxy.redis)
+                restarts = await proxy.redis.hgetall(restarts_key(proxy.config.connector.namespace))
         except (redis.RedisError, OSError, TimeoutError, ValueError) as e:
             self.redis_info = {
                 **self.redis_info,

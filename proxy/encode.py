@@ -1,11 +1,20 @@
-"""Encode dispatch: single flight across the whole proxy, split by load, retried elsewhere.
+"""Encode dispatch: single flight across every proxy, split by load, retried elsewhere.
 
-`submit(items)` returns one future per item. An item already being encoded for any request
-joins that encode (single flight); the rest are spread over the encoders by outstanding work
-(largest items first onto the least loaded), one Encode call per chosen encoder. A call that
-fails without an answer (the worker died, timed out, is draining) is retried on another
-encoder after a jittered backoff; an item the encoder refuses (corrupt, unsupported) fails its
-future with BadInput.
+`submit(items)` returns one future per item. An item already being encoded for any request of
+this proxy joins that encode (single flight). For the rest, the proxy first marks each item
+"being encoded" in Redis (SET NX PX, a short TTL refreshed while the encode runs), so that
+several proxies share single flight too:
+
+    mark claimed      this proxy encodes it; the mark is dropped when the encode ends
+    mark held         another proxy is encoding it: wait for its publication (the connector's
+                      wait_for, woken by the put), one mark TTL at a time; when a wait ends
+                      with the item still missing and the mark gone (that proxy died, or its
+                      encode failed), claim it and encode it here
+
+Items this proxy encodes are spread over the encoders by outstanding work (largest items first
+onto the least loaded), one Encode call per chosen encoder. A call that fails without an answer
+(the worker died, timed out, is draining) is retried on another encoder after a jittered
+backoff; an item the encoder refuses (corrupt, unsupported) fails its future with BadInput.
 """
 
 from __future__ import annotations
@@ -13,13 +22,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
+import secrets
+import socket
 import time
 from collections import defaultdict
 
 import grpc
 
 from common.media import media_to_proto
+from connector import AsyncECConnector, ConnectorError
 from proto import epd_pb2
 from proxy.metrics import ProxyMetrics
 from proxy.prepare import BadInput, PreparedItem
@@ -48,10 +61,22 @@ def backoff(attempt: int) -> float:
 
 
 class EncodeDispatcher:
-    def __init__(self, pool: WorkerPool, metrics: ProxyMetrics, retries: int):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        metrics: ProxyMetrics,
+        retries: int,
+        connector: AsyncECConnector,
+        mark_ttl: float,
+    ):
         self.pool = pool
         self.metrics = metrics
         self.retries = retries
+        self.connector = connector
+        self.mark_ttl = mark_ttl
+        self.mark_ttl_ms = max(int(mark_ttl * 1000), 1)
+        # What this proxy writes in the marks it holds (only the owner extends or drops one).
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.inflight: dict[str, asyncio.Future] = {}
 
     def submit(
@@ -73,9 +98,85 @@ class EncodeDispatcher:
                 new.append(item)
             futures.append(future)
         if new:
-            task = asyncio.create_task(self._dispatch(new, deadline))
-            task.add_done_callback(_log_crash)
+            self._spawn(self._claim_and_encode(new, deadline))
         return futures, joined
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        task.add_done_callback(_log_crash)
+
+    async def _claim_and_encode(self, items: list[PreparedItem], deadline: float) -> None:
+        try:
+            claimed = await self.connector.claim(
+                [i.mm_hash for i in items], self.owner, self.mark_ttl_ms
+            )
+        except ConnectorError as e:
+            # Without Redis's answer the encode goes ahead here: at worst another proxy
+            # encodes the item too (the encoder stores it once).
+            logger.warning("could not mark %d items as being encoded: %s", len(items), e)
+            claimed = [True] * len(items)
+        mine = [i for i, ok in zip(items, claimed, strict=True) if ok]
+        others = [i for i, ok in zip(items, claimed, strict=True) if not ok]
+        self.metrics.encode_marks.labels("claimed").inc(len(mine))
+        self.metrics.encode_marks.labels("followed").inc(len(others))
+        for item in others:
+            self._spawn(self._follow(item, deadline))
+        if mine:
+            await self._encode_marked(mine, deadline)
+
+    async def _encode_marked(self, items: list[PreparedItem], deadline: float) -> None:
+        """Encode items whose marks this proxy holds, keeping the marks alive meanwhile."""
+        hashes = [i.mm_hash for i in items]
+        keeper = asyncio.create_task(self._keep_marks(hashes))
+        try:
+            await self._dispatch(items, deadline)
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(ConnectorError):
+                await self.connector.release(hashes, self.owner)
+
+    async def _keep_marks(self, hashes: list[str]) -> None:
+        while True:
+            await asyncio.sleep(self.mark_ttl / 3)
+            try:
+                await self.connector.extend(hashes, self.owner, self.mark_ttl_ms)
+            except ConnectorError as e:
+                logger.warning("could not extend the encoding marks: %s", e)
+
+    async def _follow(self, item: PreparedItem, deadline: float) -> None:
+        """Another proxy is encoding `item`: wait for its publication, and take the encode over
+        if that proxy's mark lapses first."""
+        h = item.mm_hash
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail([item], Unavailable(f"item {h} was not encoded before the deadline"))
+                return
+            try:
+                missing = await self.connector.wait_for([h], min(remaining, self.mark_ttl))
+            except ConnectorError as e:
+                logger.warning("waiting for %s: %s", h, e)
+                missing = {h}
+            if not missing:
+                self._resolve(
+                    h, epd_pb2.EncodeResult(mm_hash=h, outcome=epd_pb2.ENCODE_OUTCOME_HELD)
+                )
+                return
+            try:
+                (ours,) = await self.connector.claim([h], self.owner, self.mark_ttl_ms)
+            except ConnectorError as e:
+                logger.warning("could not check the encoding mark of %s (%s): encoding it", h, e)
+                ours = True
+            if ours:
+                logger.info("taking over the encode of %s: its mark lapsed unpublished", h)
+                self.metrics.encode_marks.labels("taken_over").inc()
+                await self._encode_marked([item], deadline)
+                return
+
+    def _resolve(self, mm_hash: str, result: epd_pb2.EncodeResult) -> None:
+        future = self.inflight.pop(mm_hash, None)
+        if future is not None and not future.done():
+            future.set_result(result)
 
     async def _dispatch(self, items: list[PreparedItem], deadline: float) -> None:
         groups: dict[str, list[PreparedItem]] = defaultdict(list)

@@ -25,7 +25,6 @@ from functools import partial
 
 import grpc
 
-from common.media import MODALITIES
 from connector import AsyncECConnector, ConnectorError
 from proto import epd_pb2
 from proxy.encode import RETRYABLE, EncodeDispatcher, Unavailable, backoff
@@ -80,13 +79,14 @@ class Frontend:
         metrics: ProxyMetrics,
         retries: int,
         encode_timeout: float,
+        mark_ttl: float,
     ):
         self.connector = connector
         self.encoders = encoders
         self.lms = lms
         self.metrics = metrics
         self.retries = retries
-        self.dispatcher = EncodeDispatcher(encoders, metrics, retries)
+        self.dispatcher = EncodeDispatcher(encoders, metrics, retries, connector, mark_ttl)
         self.encode_timeout = encode_timeout
         # Client request id -> the requests running under it. Clients' ids may collide; each
         # LM call gets a unique id, so every one of them stays abortable.
@@ -161,30 +161,21 @@ class Frontend:
         self._count(usage, "held" if held else "encoded", 1)
 
     async def _encodes_done(self, encodes, timings: epd_pb2.StageTimings, started: float) -> None:
-        """Raises the first encode failure (the request is answered with it)."""
-        await asyncio.gather(*encodes)
+        """Raises the first encode failure (the request is answered with it). The futures are
+        shared with every request that joined the same encode: shielded, so that this request
+        ending (and this watch being cancelled) leaves them to the others."""
+        await asyncio.gather(*(asyncio.shield(f) for f in encodes))
         timings.encode_seconds = time.perf_counter() - started
 
     def _lm_message(self, req: PreparedRequest, lm_id: str, sent: list[int]):
         """The LM request: the prompt, and after a migration the tokens already sent appended
         to it (their KV is recomputed on the new worker; max_tokens counts what is left)."""
-        msg = epd_pb2.LMGenerateRequest(
-            request_id=lm_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling
-        )
+        msg = req.lm_request()
+        msg.request_id = lm_id
         if sent:
             msg.prompt_token_ids.extend(sent)
             if req.sampling.HasField("max_tokens"):
                 msg.sampling.max_tokens = req.sampling.max_tokens - len(sent)
-        for item in req.items:
-            t, h, w = item.grid.grid_thw
-            msg.mm_features.add(
-                mm_hash=item.mm_hash,
-                modality=MODALITIES[item.grid.modality],
-                offset=item.offset,
-                length=item.length,
-                grid=epd_pb2.GridTHW(t=t, h=h, w=w),
-                second_per_grid_t=item.grid.second_per_grid_t or 0.0,
-            )
         return msg
 
     async def _stream_lm(

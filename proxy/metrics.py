@@ -70,6 +70,14 @@ class ProxyMetrics:
             buckets=LATENCY,
             **kw,
         )
+        self.encode_marks = Counter(
+            "epd_encode_marks_total",
+            "Items this proxy had to encode, by what the shared 'being encoded' mark said: "
+            "claimed (encoded here), followed (another proxy was encoding it: waited for it), "
+            "taken_over (that proxy's mark lapsed unpublished: encoded here)",
+            ["result"],
+            **kw,
+        )
         self.worker_up = Gauge(
             "epd_worker_up", "1 while the worker reports SERVING", ["role", "worker"], **kw
         )

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.media import MODALITIES
 from common.served_model import ServedModel
 from models import MediaError, MediaGrid, MediaInput, expand_placeholders
 from proto import epd_pb2
@@ -66,6 +67,25 @@ class PreparedRequest:
 
     def item(self, mm_hash: str) -> PreparedItem:
         return next(i for i in self.items if i.mm_hash == mm_hash)
+
+    def lm_request(self) -> epd_pb2.LMGenerateRequest:
+        """What an LM worker gets: token ids, and per item its hash, placeholders and grid."""
+        msg = epd_pb2.LMGenerateRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling=self.sampling,
+        )
+        for item in self.items:
+            t, h, w = item.grid.grid_thw
+            msg.mm_features.add(
+                mm_hash=item.mm_hash,
+                modality=MODALITIES[item.grid.modality],
+                offset=item.offset,
+                length=item.length,
+                grid=epd_pb2.GridTHW(t=t, h=h, w=w),
+                second_per_grid_t=item.grid.second_per_grid_t or 0.0,
+            )
+        return msg
 
 
 def mm_hash(fingerprint: str, item: MediaInput) -> str:

@@ -145,7 +145,9 @@ async def serve(config: ClusterConfig, name: str) -> int:
 
     async def load() -> None:
         await http.start(config.proxy.host, config.proxy.http_port)
-        await wait_until_reachable(config.connector.url, config.connector.startup_wait_seconds)
+        await wait_until_reachable(
+            config.connector.url, config.connector.startup_wait_seconds, config.connector.mode
+        )
         served = await asyncio.to_thread(resolve_model, config)
         proxy = await asyncio.to_thread(Proxy, config, served, ProxyMetrics())
         await proxy.start()

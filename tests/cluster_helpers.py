@@ -38,11 +38,22 @@ def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> byt
 
 
 class Cluster:
+    """`store`: a Redis the test started (an EmbeddedCluster, say), with `connector` settings
+    to reach it in `sections`; by default the cluster starts (and stops) its own. `lms`: LM
+    workers (lm-0, lm-1, ...)."""
+
     def __init__(
-        self, workdir: Path, checkpoint: Path, encoders: int = 2, lms: int = 1, **sections
+        self,
+        workdir: Path,
+        checkpoint: Path,
+        encoders: int = 2,
+        store=None,
+        lms: int = 1,
+        **sections,
     ):
         self.workdir = workdir
-        self.redis = EmbeddedRedis().start()
+        self.own_redis = store is None
+        self.redis = EmbeddedRedis().start() if store is None else store
         self.proxy_grpc, self.proxy_http = free_port(), free_port()
         self.encoder_addresses = [f"127.0.0.1:{free_port()}" for _ in range(encoders)]
         self.lm_addresses = [f"127.0.0.1:{free_port()}" for _ in range(lms)]
@@ -93,14 +104,29 @@ class Cluster:
 
     def stop(self) -> None:
         self.channel.close()
-        for name in ["proxy", *[n for n in self.roles if n != "proxy"]]:
+        proxies = [n for n, r in self.roles.items() if r.kind == "proxy"]
+        for name in [*proxies, *[n for n in self.roles if n not in proxies]]:
             self.roles[name].child.stop(20)
-        self.redis.stop()
+        if self.own_redis:
+            self.redis.stop()
+
+    def add_proxy(self, name: str) -> tuple[RoleProcess, int, int]:
+        """Another proxy over the same workers and Redis: (role, gRPC port, HTTP port)."""
+        config = yaml.safe_load(self.config_path.read_text())
+        grpc_port, http_port = free_port(), free_port()
+        config["proxy"].update(grpc_port=grpc_port, http_port=http_port)
+        path = self.workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        argv = epd_command("proxy", "--config", str(path), "--name", name)
+        role = RoleProcess(name, "proxy", f"127.0.0.1:{grpc_port}", Child(name, argv))
+        self.roles[name] = role
+        return role, grpc_port, http_port
 
     # -- clients ------------------------------------------------------------------------------
 
-    def generate(self, text: str, images=(), timeout: float = 60, **sampling):
-        """(token ids, the last response) of a chat request with images before the text."""
+    def generate(self, text: str, images=(), timeout: float = 60, stub=None, **sampling):
+        """(token ids, the last response) of a chat request with images before the text;
+        through `stub` (another proxy's) if given."""
         sampling.setdefault("temperature", 0.0)
         sampling.setdefault("ignore_eos", True)
         request = epd_pb2.GenerateRequest(
@@ -111,7 +137,7 @@ class Cluster:
         parts.append(epd_pb2.ContentPart(text=text))
         request.chat.messages.add(role="user", content=parts)
         tokens, last = [], None
-        for response in self.stub.Generate(request, timeout=timeout):
+        for response in (stub or self.stub).Generate(request, timeout=timeout):
             tokens.extend(response.token_ids)
             last = response
         return tokens, last

@@ -10,6 +10,7 @@ import yaml
 
 from common.process import Child, epd_command, free_port
 from connector import EmbeddedRedis
+from connector.embedded import EmbeddedCluster
 from tests.helpers import RoleProcess
 
 
@@ -49,6 +50,21 @@ def redis_server():
     after the test."""
     with EmbeddedRedis() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A private 3-master Redis Cluster of embedded valkey-servers on free loopback ports (about
+    two seconds to form), shared by the tests of a session: use distinct keys per test."""
+    with EmbeddedCluster(masters=3) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def redis_cluster_with_replica():
+    """3 masters, the first with a replica: for failover tests (it is killed, so not shared)."""
+    with EmbeddedCluster(masters=3, replicas=1) as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -61,7 +61,7 @@ def test_bench_lm(tiny_checkpoint):
         "--model",
         str(tiny_checkpoint),
         "--tokens",
-        "4",
+        "24",
         "--streams",
         "2",
         "--hf-batch",
@@ -71,6 +71,9 @@ def test_bench_lm(tiny_checkpoint):
     )
     assert summary["batch1_ours_tps"] > 0 and summary["batch1_hf_tps"] > 0
     assert summary["roofline_tps"] > 0 and summary["streams_vs_hf_batch"] > 0
+    assert summary["linear_kernel"] in ("linear", "onednn")
+    assert set(summary["read_bandwidth_gbps"]) == {"sum", "gemv"}
+    assert summary["hf_batch1_vs_roofline"] > 0
 
 
 @pytest.mark.timeout(300)
@@ -91,6 +94,67 @@ def test_bench_proxy(tiny_checkpoint):
         str(free_port()),
     )
     assert summary["proxy_p50_ms"] > 0 and summary["held_vs_cold_ttft"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_serve(tiny_checkpoint, tmp_path):
+    plot = tmp_path / "serve.png"
+    summary = bench(
+        "serve",
+        "--model",
+        str(tiny_checkpoint),
+        "--num-requests",
+        "5",
+        "--request-rate",
+        "inf,10",
+        "--reuse",
+        "0.5",
+        "--output-tokens",
+        "4",
+        "--image-width",
+        "112",
+        "--image-height",
+        "84",
+        "--grpc-port",
+        str(free_port()),
+        "--http-port",
+        str(free_port()),
+        "--plot",
+        str(plot),
+    )
+    rows = summary["results"]
+    assert {(r["topology"], r["request_rate"]) for r in rows} == {
+        (t, rate) for t in ("e+pd", "aggregated") for rate in ("inf", 10.0)
+    }
+    for row in rows:
+        assert (row["completed"], row["failed"]) == (5, 0), row
+        assert row["ttft_ms"]["p50"] > 0 and row["itl_ms"]["p99"] >= row["itl_ms"]["p50"]
+        # Only the reused requests find their images cached (a new image set per run); all at
+        # once, even they arrive before the first encode of their image is published.
+        if row["request_rate"] != "inf":
+            assert 0 < row["cache_hit_rate"] < 1, row
+    assert len(summary["ratios"]) == 2
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_connector_cluster(redis_cluster):
+    summary = bench(
+        "connector",
+        "--cluster",
+        "--redis-url",
+        redis_cluster.url,
+        "--sizes",
+        "0.01",
+        "--rounds",
+        "1",
+        "--mib-per-round",
+        "0.5",
+    )
+    assert summary["bench"] == "connector-cluster"
+    (result,) = summary["results"]
+    assert result["cluster_get_gbps"] > 0 and result["raw_cluster_get_gbps"] > 0
+    assert result["single_get_gbps"] > 0 and result["cluster_has_many_per_s"] > 0
+    assert set(summary["cluster_get_vs_raw_cluster_get"]) == {"0.01MiB"}
 
 
 @pytest.mark.timeout(300)

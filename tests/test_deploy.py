@@ -279,6 +279,56 @@ def test_compose_cuda_override():
     assert compose_problems(load_compose("compose.yaml", "compose.cuda.yaml"), gpu=True) == []
 
 
+def redis_cluster_compose_problems(data: dict) -> list[str]:
+    """The cluster-mode override: every cache node in cluster mode (and bounded, evicting,
+    unpersisted), a one-shot service joins them all, every role runs in cluster mode after it."""
+    data = interpolate(data, {})
+    services = data["services"]
+    problems = []
+    nodes = [n for n, s in services.items() if (s.get("command") or [None])[0] == "valkey-server"]
+    if len(nodes) < 3:
+        problems.append(f"{len(nodes)} cache nodes: a cluster needs three masters")
+    for name in nodes:
+        argv = services[name]["command"]
+        problems += redis_problems(name, argv)
+        flags = dict(zip(argv[1::2], argv[2::2], strict=False))
+        if flags.get("--cluster-enabled") != "yes":
+            problems.append(f"{name}: not in cluster mode")
+    init = services.get("redis-cluster-init")
+    if init is None:
+        problems.append("no redis-cluster-init service")
+    else:
+        script = " ".join(map(str, init.get("command", [])))
+        for name in nodes:
+            if f"$(ip {name})" not in script:
+                problems.append(f"redis-cluster-init: does not join {name}")
+        for name in nodes:
+            if (init.get("depends_on") or {}).get(name, {}).get("condition") != "service_healthy":
+                problems.append(f"redis-cluster-init: does not wait for {name}")
+    for name, service in services.items():
+        role = role_of(service.get("command", []))
+        if role is None:
+            continue
+        if (service.get("environment") or {}).get("EPD_CONNECTOR_MODE") != "cluster":
+            problems.append(f"{name}: not in cluster mode (EPD_CONNECTOR_MODE)")
+        how = (service.get("depends_on") or {}).get("redis-cluster-init", {})
+        if how.get("condition") != "service_completed_successfully":
+            problems.append(f"{name}: does not wait for redis-cluster-init")
+    return problems
+
+
+def test_compose_redis_cluster_override():
+    data = load_compose("compose.yaml", "compose.redis-cluster.yaml")
+    assert compose_problems(data) == []
+    assert redis_cluster_compose_problems(data) == []
+    broken = copy.deepcopy(data)
+    broken["services"]["redis-2"]["command"] = ["valkey-server", "--maxmemory", "1gb"]
+    del broken["services"]["lm"]["environment"]["EPD_CONNECTOR_MODE"]
+    problems = redis_cluster_compose_problems(broken)
+    assert any("redis-2: not in cluster mode" in p for p in problems), problems
+    assert any("lm: not in cluster mode" in p for p in problems), problems
+
+
 def test_compose_checks_catch_broken_files():
     good = load_compose("compose.yaml")
 
@@ -523,7 +573,70 @@ def k8s_problems(docs: list[dict], gpu: bool) -> list[str]:
 
 
 def test_every_kustomization_is_checked():
-    assert set(kustomizations()) == {"base", "overlays/cpu", *GPU_RENDERS}
+    assert set(kustomizations()) == {
+        "base",
+        "overlays/cpu",
+        "overlays/redis-cluster",
+        *GPU_RENDERS,
+    }
+
+
+def redis_cluster_k8s_problems(docs: list[dict]) -> list[str]:
+    """The cluster-mode overlay: the redis StatefulSet runs cluster-mode nodes (three masters and
+    a replica each), keeps each node's identity on a volume, lets the nodes gossip; a Job joins
+    every pod; every role runs in cluster mode."""
+    by_name = {name_of(d): d for d in docs}
+    problems = []
+    sts = by_name.get("StatefulSet/redis")
+    if sts is None:
+        return ["no StatefulSet/redis"]
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    argv = container.get("args", [])
+    flags = dict(zip(argv[1::2], argv[2::2], strict=False))
+    if flags.get("--cluster-enabled") != "yes":
+        problems.append("StatefulSet/redis: not in cluster mode")
+    replicas = sts["spec"].get("replicas", 1)
+    if replicas < 6:
+        problems.append(f"StatefulSet/redis: {replicas} nodes; three masters and replicas need 6")
+    mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+    config_file = flags.get("--cluster-config-file", "nodes.conf")
+    if not any(config_file.startswith(m + "/") for m in mounts):
+        problems.append("StatefulSet/redis: nodes.conf is not on a volume")
+    if 16379 not in {p["containerPort"] for p in container.get("ports", [])}:
+        problems.append("StatefulSet/redis: no cluster bus port")
+    policy = by_name.get("NetworkPolicy/redis")
+    if policy is not None:
+        allowed = {p.get("port") for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+        if 16379 not in allowed:
+            problems.append("NetworkPolicy/redis: blocks the cluster bus")
+    job = by_name.get("Job/redis-cluster-init")
+    if job is None:
+        problems.append("no Job/redis-cluster-init")
+    else:
+        (init,) = job["spec"]["template"]["spec"]["containers"]
+        script = " ".join(init.get("args", []))
+        if f"for i in {' '.join(map(str, range(replicas)))};" not in script:
+            problems.append("Job/redis-cluster-init: does not join every pod")
+        if "--cluster-replicas 1" not in script:
+            problems.append("Job/redis-cluster-init: gives the masters no replicas")
+    for dep in (d for d in docs if d["kind"] == "Deployment"):
+        env = container_env(dep["spec"]["template"]["spec"]["containers"][0])
+        if env.get("EPD_CONNECTOR_MODE", {}).get("value") != "cluster":
+            problems.append(f"{name_of(dep)}: not in cluster mode (EPD_CONNECTOR_MODE)")
+    return problems
+
+
+def test_kubernetes_redis_cluster_overlay():
+    docs = render("overlays/redis-cluster")
+    assert redis_cluster_k8s_problems(docs) == []
+    broken = copy.deepcopy(docs)
+    by_name = {name_of(d): d for d in broken}
+    by_name["StatefulSet/redis"]["spec"]["replicas"] = 3
+    env = by_name["Deployment/epd-proxy"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    env[:] = [e for e in env if e["name"] != "EPD_CONNECTOR_MODE"]
+    problems = redis_cluster_k8s_problems(broken)
+    assert any("3 nodes" in p for p in problems), problems
+    assert any("epd-proxy: not in cluster mode" in p for p in problems), problems
 
 
 @pytest.mark.parametrize("target", kustomizations())

@@ -258,6 +258,26 @@ def test_up_restarts_a_dead_role_and_redis_and_serves_meanwhile(up):
     assert cluster.proc.wait(60) == 0
 
 
+def test_up_on_an_external_redis_cluster(up, redis_cluster):
+    cluster = up("--redis-url", redis_cluster.url, "--redis-cluster")
+    cluster.wait_serving()
+    out = "".join(cluster.stdout)
+    assert "(external, cluster mode)" in out
+    names = [" ".join(p.cmdline()) for p in cluster.descendants()]
+    assert not any("valkey-server" in n for n in names)  # nothing embedded: the test's cluster
+    result = subprocess.run(
+        epd_command(
+            "generate", "Hello", "--target", f"127.0.0.1:{cluster.grpc_port}", "--max-tokens", "2"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    cluster.proc.send_signal(signal.SIGINT)
+    assert cluster.proc.wait(60) == 0
+
+
 def test_up_gives_up_past_the_restart_budget(up):
     cluster = up("--max-restarts", "0")
     cluster.wait_serving()
@@ -266,3 +286,14 @@ def test_up_gives_up_past_the_restart_budget(up):
     assert cluster.proc.wait(60) == 1
     wait_for(lambda: "cluster stopped" in "".join(err), "the launcher's last words", 10)
     assert "more than --max-restarts 0; stopping the cluster" in "".join(err)
+
+
+def test_up_redis_cluster_without_url_starts_an_embedded_cluster(up):
+    cluster = up("--redis-cluster")
+    cluster.wait_serving()
+    assert "(embedded, cluster mode)" in "".join(cluster.stdout)
+    children = cluster.descendants()
+    assert sum("valkey-server" in " ".join(p.cmdline()) for p in children) == 3
+    cluster.proc.send_signal(signal.SIGINT)
+    assert cluster.proc.wait(60) == 0
+    assert_all_gone(children)

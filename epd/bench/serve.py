@@ -1,0 +1,557 @@
+"""`epd bench serve`: serving under load, in the manner of vLLM's benchmark_serving and
+SGLang's bench_serving.
+
+Open-loop arrivals (Poisson at each `--request-rate`, or all at once with `inf`) of a synthetic
+multimodal chat dataset (images of a controlled size, a share of requests whose image was seen
+before, prompt and output lengths) or a JSONL file of requests, against each topology in turn on
+the same cores and model:
+
+- `e+pd`: a local cluster (the `epd up` launcher: embedded Redis, encoders, LM workers, the
+  proxy), requests over gRPC, or `--target` a running proxy;
+- `aggregated`: one process that encodes its own media and decodes, with an in-process
+  embedding cache: what a plain single server does, built from the same model code (the
+  family's processor and encoder, the LM engine).
+
+Per topology, rate and reuse ratio: throughput, goodput (requests meeting the TTFT and TPOT
+targets), time to first token, inter-token latency, time per output token and end-to-end
+latency at p50 / p90 / p99, and the share of images served from the cache. A progress line runs
+on stderr; `--plot out.png` draws latency against request rate per topology. The last line is
+one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from PIL import Image
+
+from common.config import LMConfig, load_config
+from common.device import resolve_device
+from common.served_model import ServedModel, ensure_builtin_model
+from common.server import GRPC_OPTIONS
+from encoder_worker.tower import Tower
+from epd.launcher import LocalCluster
+from lm_worker.engine import LMEngine, RequestOutput, deliver
+from lm_worker.loader import build_engine
+from lm_worker.server import to_request
+from models import MediaInput, load_family
+from proto import epd_pb2, epd_pb2_grpc
+from proxy.prepare import ChatMessage, Part, RequestBuilder
+
+TOPOLOGIES = ("e+pd", "aggregated")
+WORDS = (
+    "describe",
+    "the",
+    "picture",
+    "colours",
+    "shapes",
+    "light",
+    "corner",
+    "left",
+    "right",
+    "top",
+    "bottom",
+    "what",
+    "where",
+    "how",
+    "many",
+    "objects",
+    "background",
+    "scene",
+    "detail",
+    "texture",
+    "small",
+    "large",
+    "near",
+    "far",
+    "bright",
+    "dark",
+    "red",
+    "green",
+    "blue",
+)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    text: str
+    images: tuple[bytes, ...]
+    max_tokens: int
+    reused: bool  # every image was seen before (the dataset's reuse ratio counts these)
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    images: int = 0
+    images_held: int = 0
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+# -- the dataset ---------------------------------------------------------------------------------
+
+
+def noise_png(width: int, height: int, rng: random.Random) -> bytes:
+    """A PNG of random blocks: every image differs, and decodes like a photo's worth of pixels."""
+    blocks = np.random.default_rng(rng.getrandbits(32)).integers(
+        0, 256, (max(height // 8, 1), max(width // 8, 1), 3), dtype=np.uint8
+    )
+    image = Image.fromarray(blocks).resize((width, height), Image.Resampling.NEAREST)
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def synthetic(args: argparse.Namespace, reuse: float, seed: int) -> list[BenchRequest]:
+    """`--num-requests` chat requests; a `reuse` share of them bring images sent before (in this
+    set)."""
+    rng = random.Random(seed)
+    width, height = args.image_width, args.image_height
+    pool: list[bytes] = []
+    out = []
+    n = args.num_requests
+    # Exactly round(reuse * n) requests bring seen images (never the first: nothing is seen).
+    reusing = set(rng.sample(range(1, n), min(round(reuse * n), n - 1))) if n > 1 else set()
+    for i in range(n):
+        reused = i in reusing
+        images = []
+        for _ in range(args.images_per_request):
+            if reused:
+                images.append(rng.choice(pool))
+            else:
+                images.append(noise_png(width, height, rng))
+                pool.append(images[-1])
+        words = " ".join(rng.choice(WORDS) for _ in range(args.prompt_words))
+        out.append(BenchRequest(f"Request {i}: {words}", tuple(images), args.output_tokens, reused))
+    return out
+
+
+def from_jsonl(path: str) -> list[BenchRequest]:
+    """One request per line: {"prompt": str, "images": [file paths], "max_tokens": int}."""
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            images = tuple(Path(p).read_bytes() for p in row.get("images", []))
+            out.append(BenchRequest(str(row["prompt"]), images, int(row["max_tokens"]), False))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"{path}:{n}: not a request ({e})") from None
+    return out
+
+
+def arrivals(count: int, rate: float, seed: int) -> list[float]:
+    """Open-loop send times in seconds from the start: Poisson at `rate` requests/s."""
+    if math.isinf(rate):
+        return [0.0] * count
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(count):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# -- the topologies ------------------------------------------------------------------------------
+
+
+class ClusterClient:
+    """A running proxy over gRPC."""
+
+    def __init__(self, target: str):
+        self.channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
+        self.stub = epd_pb2_grpc.InferenceStub(self.channel)
+
+    async def generate(self, request: BenchRequest) -> AsyncIterator[tuple[int, int, int]]:
+        """(new tokens, images, images held) per response."""
+        msg = epd_pb2.GenerateRequest(
+            sampling=epd_pb2.SamplingParams(
+                max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True
+            )
+        )
+        parts = []
+        for image in request.images:
+            msg.media.add(image=image)
+            parts.append(epd_pb2.ContentPart(media_index=len(msg.media) - 1))
+        parts.append(epd_pb2.ContentPart(text=request.text))
+        msg.chat.messages.add(role="user", content=parts)
+        async for response in self.stub.Generate(msg, timeout=600):
+            yield len(response.token_ids), response.usage.mm_items, response.usage.mm_items_held
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class AggregatedServer:
+    """One process that encodes and decodes: the family's processor and encoder run in the
+    request's path (one encoder thread), their outputs kept in an in-process cache, then the
+    LM engine (its own thread) prefills and decodes, batching requests continuously."""
+
+    def __init__(self, model_dir: Path, lm: LMConfig):
+        family = load_family(model_dir)
+        dtype = family.dtype
+        served = ServedModel(model_dir, "aggregated", dtype, family.fingerprint(dtype), family)
+        self.builder = RequestBuilder(served)
+        device = resolve_device(lm.device, "lm.device")
+        self.tower = Tower(family.processor(), family.load_encoder(dtype, device))
+        self.cache: dict[str, object] = {}
+        self.encode_thread = ThreadPoolExecutor(1, thread_name_prefix="aggregated-encoder")
+        self.engine: LMEngine | None = None
+        self.lm = lm
+        self.family = family
+        self.count = 0
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        def emit(items):
+            loop.call_soon_threadsafe(deliver, items)
+
+        self.engine = build_engine(self.lm, self.family, self.family.dtype, emit, registry=None)
+        self.engine.start()
+
+    async def generate(self, request: BenchRequest) -> AsyncIterator[tuple[int, int, int]]:
+        self.count += 1
+        media = [MediaInput("image", image=image) for image in request.images]
+        parts = [Part(media_index=i) for i in range(len(media))] + [Part(text=request.text)]
+        sampling = epd_pb2.SamplingParams(
+            max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True
+        )
+        loop = asyncio.get_running_loop()
+        prepared = await loop.run_in_executor(
+            self.encode_thread,
+            self.builder.build,
+            [ChatMessage("user", tuple(parts))],
+            media,
+            sampling,
+            f"agg-{self.count}",
+        )
+        held = sum(item.mm_hash in self.cache for item in prepared.items)
+        embeddings = await loop.run_in_executor(self.encode_thread, self._encode, prepared)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.engine.add_request(to_request(prepared.lm_request()), queue.put_nowait, embeddings)
+        while True:
+            out = await queue.get()
+            if out.error:
+                raise RuntimeError(out.error)
+            yield len(out.token_ids), len(prepared.items), held
+            if out.finish_reason is not None:
+                return
+
+    def _encode(self, prepared) -> dict:
+        missing = [i for i in prepared.items if i.mm_hash not in self.cache]
+        if missing:
+            outputs = self.tower.run([self.tower.prepare(i.media) for i in missing])
+            for item, out in zip(missing, outputs, strict=True):
+                self.cache[item.mm_hash] = self.engine.load_embedding(
+                    item.mm_hash, out, out.shape[0]
+                )
+        return {i.mm_hash: self.cache[i.mm_hash] for i in prepared.items}
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+        self.encode_thread.shutdown()
+
+
+# -- one run -------------------------------------------------------------------------------------
+
+
+async def run_load(
+    client, requests: list[BenchRequest], rate: float, seed: int, label: str
+) -> tuple[list[Result], float]:
+    """Send `requests` at their arrival times; (results, wall seconds)."""
+    times = arrivals(len(requests), rate, seed)
+    results = [Result() for _ in requests]
+    done = 0
+    started = time.perf_counter()
+
+    async def one(i: int) -> None:
+        nonlocal done
+        await asyncio.sleep(max(started + times[i] - time.perf_counter(), 0))
+        r, sent = results[i], time.perf_counter()
+        last = sent
+        try:
+            async for tokens, images, held in client.generate(requests[i]):
+                now = time.perf_counter()
+                if tokens:
+                    if r.output_tokens == 0:
+                        r.ttft = now - sent
+                    else:
+                        r.itl.append(now - last)
+                    r.output_tokens += tokens
+                    last = now
+                r.images, r.images_held = images, held
+            r.ok = True
+        except Exception as e:  # counted and reported; the run goes on
+            r.error = f"{type(e).__name__}: {e}"
+        r.e2e = time.perf_counter() - sent
+        done += 1
+        _progress(label, done, len(requests))
+
+    await asyncio.gather(*(one(i) for i in range(len(requests))))
+    print(file=sys.stderr)
+    return results, time.perf_counter() - started
+
+
+def _progress(label: str, done: int, total: int) -> None:
+    width = 30
+    filled = int(width * done / total)
+    bar = "#" * filled + "." * (width - filled)
+    print(f"\r  {label:<40} [{bar}] {done}/{total}", end="", file=sys.stderr, flush=True)
+
+
+def summarize(results: list[Result], wall: float, ttft_slo: float, tpot_slo: float) -> dict:
+    ok = [r for r in results if r.ok]
+
+    def pct(values: list[float]) -> dict:
+        if not values:
+            return {"p50": None, "p90": None, "p99": None, "mean": None}
+        a = np.asarray(values) * 1e3
+        return {
+            "p50": round(float(np.percentile(a, 50)), 2),
+            "p90": round(float(np.percentile(a, 90)), 2),
+            "p99": round(float(np.percentile(a, 99)), 2),
+            "mean": round(float(a.mean()), 2),
+        }
+
+    good = [r for r in ok if r.ttft <= ttft_slo and (r.tpot is None or r.tpot <= tpot_slo)]
+    images = sum(r.images for r in ok)
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "wall_seconds": round(wall, 2),
+        "throughput_rps": round(len(ok) / wall, 3),
+        "output_tps": round(sum(r.output_tokens for r in ok) / wall, 2),
+        "goodput_rps": round(len(good) / wall, 3),
+        "ttft_ms": pct([r.ttft for r in ok]),
+        "itl_ms": pct([x for r in ok for x in r.itl]),
+        "tpot_ms": pct([r.tpot for r in ok if r.tpot is not None]),
+        "e2e_ms": pct([r.e2e for r in ok]),
+        "cache_hit_rate": round(sum(r.images_held for r in ok) / images, 3) if images else None,
+    }
+
+
+async def bench_topology(topology: str, args, model_dir: Path, datasets) -> list[dict]:
+    rows = []
+    cluster = None
+    if topology == "aggregated":
+        client = AggregatedServer(model_dir, _lm_config(args))
+        client.start(asyncio.get_running_loop())
+    elif args.target:
+        client = ClusterClient(args.target)
+    else:
+        cluster = await asyncio.to_thread(_start_cluster, args, model_dir)
+        client = ClusterClient(cluster.proxy.address)
+    try:
+        await _warm_up(client)
+        for (rate, reuse), requests in datasets.items():
+            label = f"{topology} rate {rate:g}/s reuse {reuse:g}"
+            results, wall = await run_load(client, requests, rate, args.seed, label)
+            row = {"topology": topology, "request_rate": rate, "reuse": reuse}
+            row |= summarize(results, wall, args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
+            rows.append(row)
+            print(_line(row), flush=True)
+    finally:
+        await client.close()
+        if cluster is not None:
+            await asyncio.to_thread(cluster.stop)
+    return rows
+
+
+async def _warm_up(client) -> None:
+    """One request with a fresh image, so start-up costs stay out of the figures."""
+    rng = random.Random(-1)
+    warm = BenchRequest("warm up", (noise_png(64, 64, rng),), 2, False)
+    async for _ in client.generate(warm):
+        pass
+
+
+def _start_cluster(args, model_dir: Path) -> LocalCluster:
+    overrides = {
+        "model.path": str(model_dir),
+        "proxy.grpc_port": args.grpc_port,
+        "proxy.http_port": args.http_port,
+        **{f"lm.{k}": v for k, v in _lm_settings(args).items()},
+    }
+    config = load_config(None, {k: v for k, v in overrides.items() if v is not None})
+    cluster = LocalCluster(config, num_encoders=args.encoders, num_lm_workers=args.lm_workers)
+    cluster.start()
+    return cluster
+
+
+def _lm_settings(args) -> dict:
+    return {"max_num_seqs": args.max_num_seqs, "kv_cache_bytes": 512 << 20}
+
+
+def _lm_config(args) -> LMConfig:
+    return LMConfig(**_lm_settings(args))
+
+
+def _line(row: dict) -> str:
+    return (
+        f"{row['topology']:<10} rate {row['request_rate']:>5g}/s reuse {row['reuse']:<4g} "
+        f"done {row['completed']}/{row['requests']}  {row['throughput_rps']:.2f} req/s "
+        f"{row['output_tps']:.1f} tok/s goodput {row['goodput_rps']:.2f}/s  TTFT p50/p99 "
+        f"{row['ttft_ms']['p50']}/{row['ttft_ms']['p99']} ms  ITL p50/p99 "
+        f"{row['itl_ms']['p50']}/{row['itl_ms']['p99']} ms  cache {row['cache_hit_rate']}"
+    )
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """TTFT and ITL p50 / p99 against request rate, one line per topology and reuse ratio."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from e
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    series: dict[tuple, list[dict]] = {}
+    for row in rows:
+        series.setdefault((row["topology"], row["reuse"]), []).append(row)
+    finite = [r["request_rate"] for r in rows if not math.isinf(r["request_rate"])]
+    burst = max(finite, default=1.0) * 2  # where an all-at-once run is drawn
+    panels = (
+        (axes[0], "ttft_ms", "time to first token"),
+        (axes[1], "itl_ms", "inter-token latency"),
+    )
+    for ax, metric, title in panels:
+        for (topology, reuse), points in sorted(series.items()):
+            xs = [burst if math.isinf(p["request_rate"]) else p["request_rate"] for p in points]
+            for q, style in (("p50", "-o"), ("p99", "--x")):
+                ys = [p[metric][q] for p in points]
+                ax.plot(xs, ys, style, label=f"{topology}, reuse {reuse:g}, {q}")
+        ax.set_xlabel("request rate (requests/s; the last tick: all at once)")
+        ax.set_ylabel("ms")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(args: argparse.Namespace) -> int:
+    args.rates = [float(r) for r in args.request_rate.split(",")]
+    topologies = [t.strip() for t in args.topology.split(",")]
+    unknown = set(topologies) - set(TOPOLOGIES)
+    if unknown:
+        raise SystemExit(f"unknown topologies {sorted(unknown)}; choose from {TOPOLOGIES}")
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        print("using the built-in model", flush=True)
+        model_dir = ensure_builtin_model()
+    # NOTE: a new synthetic set per rate and reuse ratio (new images), so that only the chosen
+    # share of a run's requests finds its images cached; a JSONL set is replayed as it is.
+    reuses = [0.0] if args.dataset else [float(r) for r in args.reuse.split(",")]
+    datasets = {}
+    for i, (rate, reuse) in enumerate((r, u) for u in reuses for r in args.rates):
+        if args.dataset:
+            datasets[rate, reuse] = from_jsonl(args.dataset)
+        else:
+            datasets[rate, reuse] = synthetic(args, reuse, args.seed + 1000 * i)
+    rows = []
+    for topology in topologies:
+        rows += asyncio.run(bench_topology(topology, args, model_dir, datasets))
+    summary = {
+        "bench": "serve",
+        "model": model_dir.name,
+        "image": f"{args.image_width}x{args.image_height}",
+        "images_per_request": args.images_per_request,
+        "output_tokens": args.output_tokens,
+        "slo_ms": {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms},
+        "results": rows,
+        "ratios": _ratios(rows),
+    }
+    if args.plot:
+        plot(rows, args.plot)
+        summary["plot"] = args.plot
+    print(json.dumps(_finite(summary)))
+    return 0
+
+
+def _finite(value):
+    """JSON has no infinity: an all-at-once rate is written "inf"."""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _ratios(rows: list[dict]) -> list[dict]:
+    """E+PD over aggregated for each rate and reuse both ran (TTFT p50 / ITL p50 / goodput)."""
+    out = []
+    by_key = {(r["topology"], r["request_rate"], r["reuse"]): r for r in rows}
+
+    def ratio(a, b):
+        return round(a / b, 3) if a is not None and b else None
+
+    for (topology, rate, reuse), row in by_key.items():
+        base = by_key.get(("aggregated", rate, reuse))
+        if topology != "e+pd" or base is None:
+            continue
+        out.append(
+            {
+                "request_rate": rate,
+                "reuse": reuse,
+                "ttft_p50_vs_aggregated": ratio(row["ttft_ms"]["p50"], base["ttft_ms"]["p50"]),
+                "itl_p50_vs_aggregated": ratio(row["itl_ms"]["p50"], base["itl_ms"]["p50"]),
+                "goodput_vs_aggregated": ratio(row["goodput_rps"], base["goodput_rps"]),
+            }
+        )
+    return out
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serving under load: TTFT / ITL / goodput per topology")
+    p.add_argument("--model", help="checkpoint directory (default: the built-in model)")
+    p.add_argument("--topology", default="e+pd,aggregated", help="e+pd, aggregated (both)")
+    p.add_argument("--target", help="an already running proxy (host:port) for e+pd")
+    p.add_argument("--request-rate", default="1,4", help="requests/s, comma-separated; inf")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per rate (32)")
+    p.add_argument("--reuse", default="0,0.5", help="share of requests with seen images")
+    p.add_argument("--images-per-request", type=int, default=1)
+    p.add_argument("--image-width", type=int, default=448)
+    p.add_argument("--image-height", type=int, default=448)
+    p.add_argument("--prompt-words", type=int, default=24)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--dataset", help="JSONL requests instead of the synthetic set")
+    p.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="goodput's TTFT target")
+    p.add_argument("--tpot-slo-ms", type=float, default=200.0, help="goodput's TPOT target")
+    p.add_argument("--encoders", type=int, default=1, help="e+pd: encoder workers")
+    p.add_argument("--lm-workers", type=int, default=1, help="e+pd: LM workers")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="LM sequences per step")
+    p.add_argument("--grpc-port", type=int, help="e+pd proxy gRPC port (default 50051)")
+    p.add_argument("--http-port", type=int, help="e+pd proxy HTTP port (default 8000)")
+    p.add_argument("--plot", help="write latency vs request rate to this PNG")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)

@@ -1,0 +1,214 @@
+"""The CPU's linear kernels, chosen by measurement at start-up, never by assumption.
+
+Decode on a CPU is a chain of small matrix products that should run at memory speed, and which
+kernel gets there depends on the machine: on one 2-core Sapphire Rapids host oneDNN's packed
+`mkldnn_linear` ran 40 layers of 2048x768 at 1 row in 11 ms against torch's `F.linear` 20 ms; on
+another of the same kind, 16.6 ms against 13.1 ms. So the LM worker times the candidates over
+the model's own linear layers, in forward order so the weights stream from memory as in a real
+step, at the row counts it will run (one decode row, and a full decode batch), checks that the
+faster one gives the same numbers as `F.linear`, and keeps it. The choice is cached per CPU,
+torch version, thread count and model shape, and logged.
+
+Candidates: `linear` (torch's F.linear on the dense weights) and `onednn` (mkldnn_linear on
+weights packed once). Both run on torch's own thread pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+Kernel = Literal["linear", "onednn"]
+KERNELS: tuple[Kernel, ...] = ("linear", "onednn")
+
+
+class PackedLinear(nn.Linear):
+    """nn.Linear computed by oneDNN from a packed weight (inference only). The dense weight
+    is dropped unless another module shares it (a tied LM head shares the embedding's)."""
+
+    packed_weight: torch.Tensor
+    packed_bias: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn()
+        out = torch._C._nn.mkldnn_linear(rows, self.packed_weight, self.packed_bias).to_dense()
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def linear_layers(model: nn.Module) -> list[nn.Linear]:
+    """The model's CPU fp32 linear layers, in module (forward) order."""
+    return [
+        m
+        for m in model.modules()
+        if type(m) in (nn.Linear, PackedLinear)
+        and m.weight is not None
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.float32
+    ]
+
+
+def use_kernel(model: nn.Module, kernel: Kernel, keep_dense: bool = False) -> int:
+    """Switch the model's CPU fp32 linear layers to `kernel`; returns how many. With
+    `keep_dense`, packed layers keep their dense weight (so the choice can be undone)."""
+    layers = linear_layers(model)
+    if kernel == "onednn":
+        if not torch.backends.mkldnn.is_available():
+            return 0
+        for module in layers:
+            if type(module) is nn.Linear:
+                module.__class__ = PackedLinear
+                module.packed_weight = module.weight.detach().to_mkldnn()
+                module.packed_bias = (
+                    None if module.bias is None else module.bias.detach().to_mkldnn()
+                )
+        if not keep_dense:
+            _drop_unshared_dense_weights(model)
+    else:
+        for module in layers:
+            if type(module) is PackedLinear:
+                module.__class__ = nn.Linear
+                del module.packed_weight, module.packed_bias
+    return len(layers)
+
+
+def _drop_unshared_dense_weights(model: nn.Module) -> None:
+    """A packed layer's dense weight is only needed if another module shares it."""
+    uses = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
+    for module in model.modules():
+        weight = module.weight if type(module) is PackedLinear else None
+        if weight is not None and uses[id(weight)] == 1:
+            module.weight = None
+
+
+def _time_chain(layers: list[nn.Linear], rows: int, repeats: int = 3) -> float:
+    """Best seconds of one pass over every layer at `rows` rows (weights stream from memory)."""
+    inputs = {m.in_features: torch.randn(rows, m.in_features) for m in layers}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for m in layers:
+                m(inputs[m.in_features])
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _same_numbers(layers: list[nn.Linear]) -> bool:
+    """Packed and dense give the same outputs (to fp32 accumulation-order noise)."""
+    with torch.inference_mode():
+        for m in layers:
+            x = torch.randn(3, m.in_features)
+            want = torch.nn.functional.linear(x, m.weight, m.bias)
+            if not torch.allclose(m(x), want, rtol=1e-4, atol=1e-5):
+                return False
+    return True
+
+
+def choose_linear_kernel(
+    model: nn.Module, batch_rows: int, cache_dir: Path | None = None
+) -> tuple[Kernel, dict[str, float]]:
+    """Time the candidates at 1 row and `batch_rows` rows, switch the model to the fastest
+    (summed over both) that holds the numbers, and return it with the timings (ms). A cached
+    choice for this CPU, torch, thread count and model shape is reused without timing."""
+    layers = linear_layers(model)
+    if not layers:
+        return "linear", {}
+    key = _cache_key(layers, batch_rows)
+    cache = cache_dir / "cpu_kernels.json" if cache_dir is not None else None
+    known = _read_cache(cache)
+    if key in known:
+        kernel, timings = known[key]["kernel"], known[key]["ms"]
+        use_kernel(model, kernel)
+        return kernel, timings
+    timings: dict[str, float] = {}
+    for kernel in KERNELS:
+        if use_kernel(model, kernel, keep_dense=True) == 0:
+            continue  # oneDNN not built into this torch
+        if kernel == "onednn" and not _same_numbers(layers):
+            logger.warning("oneDNN's packed linear does not match F.linear here; not using it")
+            continue
+        for rows in sorted({1, batch_rows}):
+            timings[f"{kernel}@{rows}"] = round(_time_chain(layers, rows) * 1e3, 3)
+    totals = {
+        k: sum(v for name, v in timings.items() if name.startswith(k + "@"))
+        for k in KERNELS
+        if f"{k}@1" in timings
+    }
+    kernel = min(totals, key=totals.get)
+    use_kernel(model, kernel)
+    if cache is not None:
+        known[key] = {"kernel": kernel, "ms": timings}
+        _write_cache(cache, known)
+    return kernel, timings
+
+
+def _cache_key(layers: list[nn.Linear], batch_rows: int) -> str:
+    shapes = Counter((m.in_features, m.out_features, m.bias is not None) for m in layers)
+    machine = [
+        platform.machine(),
+        _cpu_model(),
+        torch.__version__,
+        torch.get_num_threads(),
+        batch_rows,
+        sorted(shapes.items()),
+    ]
+    return hashlib.sha256(json.dumps(machine, default=str).encode()).hexdigest()[:16]
+
+
+def _cpu_model() -> str:
+    """The CPU's model name and feature flags (two machines that differ in either may choose
+    differently)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags")
+    return " | ".join(dict.fromkeys(ln for ln in lines if ln.startswith(wanted)))
+
+
+def _read_cache(path: Path | None) -> dict:
+    if path is None or not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # a damaged cache only costs a new measurement
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights one decode step reads: every linear layer's (packed copies where
+    packed), norms and biases; an embedding table is looked up, one row a token, so it does
+    not count (a tied LM head reads its own packed copy)."""
+    seen, total = set(), 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            continue
+        tensors = list(module._parameters.values())
+        if isinstance(module, PackedLinear):
+            tensors = [module.packed_weight, module.packed_bias]
+        for t in tensors:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
