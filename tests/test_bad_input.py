@@ -14,6 +14,7 @@ import math
 import os
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -22,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from common.process import free_port
 from connector import wire
 from proto import epd_pb2, epd_pb2_grpc
 from tests.cluster_helpers import Cluster, image_bytes
@@ -32,6 +34,7 @@ MAX_ITEM_TOKENS = 256
 MAX_BODY = 1 << 20
 # Every refusal comes back within this (the slowest legitimate refusal is a header read).
 BOUND_S = 10.0
+LM_METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def cluster(tmp_path_factory, tiny_checkpoint):
             "max_media_items": MAX_ITEMS,
             "max_item_tokens": MAX_ITEM_TOKENS,
         },
-        lm={"max_model_len": CONTEXT},
+        lm={"max_model_len": CONTEXT, "metrics_port": LM_METRICS_PORT},
     )
     yield c
     c.stop()
@@ -468,6 +471,7 @@ def test_colliding_request_ids_all_run_and_all_abort(cluster):
 def test_an_abandoned_non_streaming_http_request_is_aborted(cluster):
     """A client that goes away before its (non-streaming) answer: the request is aborted on
     the LM worker, instead of generating on for nobody."""
+    aborted, ran_out = lm_finished("abort"), lm_finished("length")
     conn = http.client.HTTPConnection("127.0.0.1", cluster.proxy_http, timeout=60)
     body = with_(max_tokens=CONTEXT - 64, ignore_eos=True, temperature=0.0)
     conn.request("POST", "/v1/chat/completions", json.dumps(body).encode())
@@ -483,10 +487,24 @@ def test_an_abandoned_non_streaming_http_request_is_aborted(cluster):
             time.sleep(0.02)
         conn.sock.shutdown(2)  # the client goes away
         conn.close()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while running():
             assert time.monotonic() < deadline, "the abandoned request ran on"
             time.sleep(0.05)
+    # It ended aborted, not by running to its max_tokens for nobody.
+    assert lm_finished("abort") == aborted + 1
+    assert lm_finished("length") == ran_out
+
+
+def lm_finished(reason: str) -> float:
+    """The LM worker's count of requests that finished for `reason`."""
+    url = f"http://127.0.0.1:{LM_METRICS_PORT}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    for line in text.splitlines():
+        if line.startswith(f'epd_lm_requests_total{{finish_reason="{reason}"}} '):
+            return float(line.split()[-1])
+    return 0.0
 
 
 # -- fuzzing -----------------------------------------------------------------------------------
