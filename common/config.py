@@ -65,6 +65,10 @@ SECRET = {"secret": True}
 REDACTED = "<redacted>"
 
 _ONE_GIB = ByteSize(1 << 30)
+_32_MIB = ByteSize(32 << 20)
+# Under CUDA graphs the decode attention reads max_model_len keys per sequence (static shapes):
+# without an explicit lm.max_model_len the context is capped here.
+DEFAULT_MAX_MODEL_LEN = 8192
 _AUTO_SIZE = ByteSize(0)
 
 
@@ -265,6 +269,11 @@ class ProxyConfig:
     # Requests in flight at once; past it new ones are refused (RESOURCE_EXHAUSTED / HTTP 429)
     # rather than queued without bound.
     max_pending_requests: int = 1024
+    # Limits checked at the edge, before any work: an HTTP body's bytes (checked before it is
+    # read), media items per request, placeholder (embedding) tokens per item.
+    max_body_bytes: ByteSize = _32_MIB
+    max_media_items: int = 32
+    max_item_tokens: int = 16384
     # Deadline of a request that brings none (gRPC callers' own deadlines propagate).
     request_timeout_seconds: float = 600.0
     # Attempts per encode or LM call that fails before any output (backoff with jitter).
@@ -304,7 +313,14 @@ class ProxyConfig:
         _check_positive("request_timeout_seconds", self.request_timeout_seconds)
         _check_positive("circuit_cooldown_seconds", self.circuit_cooldown_seconds)
         _check_positive("load_poll_seconds", self.load_poll_seconds)
-        for key in ("max_pending_requests", "retries", "circuit_failures"):
+        for key in (
+            "max_pending_requests",
+            "retries",
+            "circuit_failures",
+            "max_body_bytes",
+            "max_media_items",
+            "max_item_tokens",
+        ):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
         _check_port("grpc_port", self.grpc_port)
@@ -442,6 +458,11 @@ class LMConfig:
     def address(self) -> str:
         """Where the proxy dials this worker (what it registers)."""
         return advertised_address(self.listen, self.advertise)
+
+    def context_length(self, max_position_embeddings: int) -> int:
+        """The context LM workers serve with this config (before any cut to the KV cache):
+        lm.max_model_len, else the model's, capped at DEFAULT_MAX_MODEL_LEN."""
+        return self.max_model_len or min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
 
 
 @dataclass(frozen=True)

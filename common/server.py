@@ -41,13 +41,18 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
-# Channels to workers ping every 2 s even when idle and give up after 2 s without an answer:
-# a cut link (no RST, no FIN) fails its calls and health watch in seconds instead of hanging
-# until the request's deadline.
+# Channels to workers ping every second even when idle and give up after 3 s without an
+# answer: a cut link (no RST, no FIN) or a frozen worker (SIGSTOP: the kernel still ACKs its
+# TCP, only the process does not answer) fails its calls and health watch within about 4 s
+# instead of hanging until the request's deadline. (3 s, not less: a worker on an overloaded
+# host may answer a ping seconds late, and a false alarm costs a retry or a migration.)
+# NOTE: gRPC core times a ping out by grpc.http2.ping_timeout_ms (default 60 s), whatever
+# keepalive_timeout_ms says: without it a frozen worker stayed SERVING for about 64 s.
 CHANNEL_OPTIONS = [
     *GRPC_OPTIONS,
-    ("grpc.keepalive_time_ms", 2000),
-    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.http2.ping_timeout_ms", 3000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]

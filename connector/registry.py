@@ -28,6 +28,12 @@ def registry_key(namespace: str, role: str) -> str:
     return f"{namespace}:registry:{role}"
 
 
+def restarts_key(namespace: str) -> str:
+    """A hash, role name -> JSON {"restarts", "last", "reason", "gave_up"}: what `epd up`'s
+    supervisor did (the dashboard shows it)."""
+    return f"{namespace}:restarts"
+
+
 class Heartbeat:
     """A worker's announcement loop (started once SERVING, stopped when draining)."""
 

@@ -77,6 +77,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             num_lm_workers=args.lm_workers,
             host=args.host,
             startup_timeout=args.startup_timeout,
+            max_restarts=args.max_restarts,
         )
     except LaunchError as e:
         print(f"epd up: {e}", file=sys.stderr)
@@ -163,6 +164,7 @@ BENCH_MODULES = (
     "epd.bench.encoder",
     "epd.bench.lm",
     "epd.bench.proxy",
+    "epd.bench.soak",
     "epd.bench.serve",
 )
 
@@ -202,6 +204,13 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="proxy bind address (default 127.0.0.1)")
     up.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING"
+    )
+    up.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of a role (or the embedded Redis) within 5 minutes before the cluster "
+        "gives up and stops (default 5; 0: a role that dies stops the cluster)",
     )
     up.set_defaults(func=cmd_up)
 

@@ -7,13 +7,19 @@ generated password) go to the children through their environment, never argv or 
 file. Each role is started with the same generated cluster file and its own --listen address; the
 launcher waits until each reports SERVING over grpc.health.v1, prints the endpoints, and on
 Ctrl-C / SIGTERM stops them in reverse order (proxy first, so nothing new arrives while the
-workers drain). A role that dies stops the cluster, loudly. Children die with the launcher even
-if it is killed (see common.process).
+workers drain). Children die with the launcher even if it is killed (see common.process).
+
+Supervision: a role (or the embedded Redis) that dies after start-up is restarted on the same
+address, after a backoff (0.5 s doubling, at most 8 s), while the cluster serves on the
+survivors (the proxy fails its requests over). A role that dies more than `max_restarts` times
+within RESTART_WINDOW seconds is given up on and the cluster stops, loudly. Restarts are
+recorded in Redis ({namespace}:restarts) for the dashboard.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -26,8 +32,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import redis
 
 from common.config import ClusterConfig, dump_config, secret_env
 from common.health import health_status
@@ -35,6 +43,7 @@ from common.process import Child, epd_command, free_port, port_is_free
 from common.served_model import resolve_model
 from connector import EmbeddedRedis, EmbeddedServerError, redact_url
 from connector.embedded import EmbeddedCluster, default_maxmemory
+from connector.registry import restarts_key
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +52,39 @@ class LaunchError(RuntimeError):
     pass
 
 
+RESTART_WINDOW = 300.0  # seconds over which a role's restarts count against its budget
+BACKOFF_FIRST, BACKOFF_MAX = 0.5, 8.0
+
+
+@dataclass
+class Supervision:
+    """One supervised process's restart record."""
+
+    name: str
+    deaths: list[float] = field(default_factory=list)  # monotonic times, within the window
+    restarts: int = 0
+    due: float | None = None  # when the pending restart runs
+    reason: str = ""
+
+    def died(self, now: float, reason: str, budget: int) -> float | None:
+        """The backoff before restarting, or None when the budget is spent."""
+        self.deaths = [t for t in self.deaths if now - t < RESTART_WINDOW] + [now]
+        self.reason = reason
+        if len(self.deaths) > budget:
+            return None
+        return min(BACKOFF_FIRST * 2 ** (len(self.deaths) - 1), BACKOFF_MAX)
+
+
 @dataclass
 class Role:
     name: str  # "encoder-0"
     kind: str  # "encoder" | "lm" | "proxy": the `epd` subcommand
     address: str  # where its gRPC server listens
     child: Child | None = None
+    supervision: Supervision | None = None
+
+    def __post_init__(self):
+        self.supervision = Supervision(self.name)
 
 
 class LocalCluster:
@@ -59,6 +95,7 @@ class LocalCluster:
         num_lm_workers: int = 1,
         host: str = "127.0.0.1",
         startup_timeout: float = 600.0,
+        max_restarts: int = 5,
     ):
         if num_encoders < 1 or num_lm_workers < 1:
             raise LaunchError("a cluster needs at least one encoder and one LM worker")
@@ -76,6 +113,9 @@ class LocalCluster:
         self.proxy = Role("proxy", "proxy", f"127.0.0.1:{config.proxy.grpc_port}")
         self.stopping = False
         self._wake = threading.Event()
+        self.max_restarts = max_restarts
+        self.redis_supervision = Supervision("redis")
+        self.config_path: Path | None = None
 
     @property
     def roles(self) -> list[Role]:
@@ -127,14 +167,14 @@ class LocalCluster:
                 lm_workers=tuple(r.address for r in self.lm_workers),
             ),
         )
-        config_path = self.run_dir / "cluster.yaml"
+        config_path = self.config_path = self.run_dir / "cluster.yaml"
         dump_config(self.config, config_path)
 
         workers = [*self.encoders, *self.lm_workers]
         for role in workers:
-            self._spawn(role, config_path, "--listen", role.address)
+            self._spawn(role)
         self._wait_serving(workers)
-        self._spawn(self.proxy, config_path)
+        self._spawn(self.proxy)
         self._wait_serving([self.proxy])
         self._print_endpoints(time.monotonic() - started)
 
@@ -146,8 +186,11 @@ class LocalCluster:
             if not port_is_free(self.host, port):
                 raise LaunchError(f"port {port} on {self.host} is in use: pass another {key}")
 
-    def _spawn(self, role: Role, config_path: Path, *extra: str) -> None:
-        argv = epd_command(role.kind, "--config", str(config_path), "--name", role.name, *extra)
+    def _spawn(self, role: Role) -> None:
+        extra = [] if role.kind == "proxy" else ["--listen", role.address]
+        argv = epd_command(
+            role.kind, "--config", str(self.config_path), "--name", role.name, *extra
+        )
         role.child = Child(role.name, argv, env={**os.environ, **secret_env(self.config)})
 
     def _status(self, role: Role) -> str:
@@ -237,20 +280,90 @@ class LocalCluster:
             signal.signal(sig, self._on_signal)
 
     def wait(self) -> int:
-        """Block until a signal (exit code 0) or a role's death (exit code 1)."""
+        """Supervise until a signal (exit code 0) or a role out of restarts (exit code 1)."""
         while True:
-            self._wake.wait()
+            due = [
+                s.due for s in self._supervisions() if s.due is not None
+            ]  # the next restart wakes the loop
+            timeout = max(min(due) - time.monotonic(), 0) if due else None
+            self._wake.wait(timeout)
             self._wake.clear()
             if self.stopping:
                 return 0
-            dead = [r for r in self.roles if r.child is not None and r.child.poll() is not None]
-            if any(child.poll() is not None for child in self._redis_children()):
-                print("the embedded Redis server exited; stopping the cluster", file=sys.stderr)
+            now = time.monotonic()
+            watched = [(r.supervision, r.child) for r in self.roles]
+            if isinstance(self.redis, EmbeddedRedis):
+                watched.insert(0, (self.redis_supervision, self.redis.child))
+            elif any(child.poll() is not None for child in self._redis_children()):
+                # A node of the embedded Redis Cluster: not restarted (its slots would need
+                # re-assigning); the cluster stops, loudly.
+                print(
+                    "an embedded Redis Cluster node exited; stopping the cluster", file=sys.stderr
+                )
                 return 1
-            if dead:
-                names = ", ".join(f"{r.name} (exit code {r.child.poll()})" for r in dead)
-                print(f"{names} stopped unexpectedly; stopping the cluster", file=sys.stderr)
-                return 1
+            for sup, child in watched:
+                dead = sup.due is None and child is not None and child.poll() is not None
+                if dead and not self._died(sup, child.poll(), now):
+                    return 1
+            if self.redis_supervision.due is not None and self.redis_supervision.due <= now:
+                self._restart_redis()
+            for role in self.roles:
+                if role.supervision.due is not None and role.supervision.due <= now:
+                    role.supervision.due = None
+                    role.supervision.restarts += 1
+                    self._spawn(role)
+                    print(f"{role.name} restarted", file=sys.stderr, flush=True)
+                    self._record(role.supervision)
+
+    def _supervisions(self) -> list[Supervision]:
+        return [self.redis_supervision, *(r.supervision for r in self.roles)]
+
+    def _died(self, sup: Supervision, code: int, now: float) -> bool:
+        """Schedule the restart; False when the budget is spent (the cluster stops)."""
+        delay = sup.died(now, f"exit code {code}", self.max_restarts)
+        if delay is None:
+            print(
+                f"{sup.name} stopped unexpectedly (exit code {code}) {len(sup.deaths)} times in "
+                f"{RESTART_WINDOW:.0f}s, more than --max-restarts {self.max_restarts}; "
+                "stopping the cluster",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        sup.due = now + delay
+        print(
+            f"{sup.name} stopped unexpectedly (exit code {code}); restarting in {delay:.1f}s "
+            f"(death {len(sup.deaths)} of {self.max_restarts} allowed in {RESTART_WINDOW:.0f}s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
+
+    def _restart_redis(self) -> None:
+        sup = self.redis_supervision
+        sup.due = None
+        self.redis.stop()  # its data is gone: the cluster re-encodes what it misses
+        try:
+            self.redis.start()
+        except EmbeddedServerError as e:
+            print(f"the embedded Redis did not restart: {e}", file=sys.stderr, flush=True)
+            sup.due = time.monotonic() + BACKOFF_MAX
+            return
+        sup.restarts += 1
+        print("the embedded Redis server restarted (empty)", file=sys.stderr, flush=True)
+        for s in self._supervisions():  # the restart record was in it
+            if s.restarts:
+                self._record(s)
+
+    def _record(self, sup: Supervision) -> None:
+        """The restart in Redis, for the dashboard (best effort: Redis may be down too)."""
+        c = self.config.connector
+        value = {"restarts": sup.restarts, "last": round(time.time(), 1), "reason": sup.reason}
+        try:
+            with redis.Redis.from_url(c.redis_url, socket_timeout=2, socket_connect_timeout=2) as r:
+                r.hset(restarts_key(c.namespace), sup.name, json.dumps(value))
+        except (redis.RedisError, OSError) as e:
+            logger.warning("could not record %s's restart in Redis: %s", sup.name, e)
 
     def _redis_children(self) -> list[Child]:
         servers = self.redis.nodes if self.redis is not None else []

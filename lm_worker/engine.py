@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from lm_worker.metrics import EngineMetrics
 from lm_worker.model_runner import InputBatch, ModelRunner
-from lm_worker.request import Request
+from lm_worker.request import Request, Status
 from lm_worker.sampler import SampledToken, Sampler
 from lm_worker.scheduler import ScheduledBatch, Scheduler
 from models import EmbeddingMismatch, IncrementalDetokenizer, LoadedEmbedding, Tokenizer
@@ -42,6 +42,9 @@ class RequestOutput:
     logprobs: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    # With "error": "request" when the rest of its batch ran (the request's own failure, not
+    # to be retried elsewhere), "worker" otherwise.
+    error_kind: str = "worker"
     # Set on the last output.
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -183,6 +186,7 @@ class LMEngine:
             "kv_blocks_total": s.blocks.num_usable,
             "tokens_per_second": self._rate.per_second(),
             "batch_size": self._steps.mean(),
+            "max_model_len": self.max_model_len,
         }
 
     def run_to_completion(self) -> None:
@@ -222,26 +226,76 @@ class LMEngine:
             idle = not self.run_step()
 
     def run_step(self) -> bool:
-        """One step, failing its requests (not the engine) if it raises. False: nothing ran."""
+        """One step, failing its requests (not the engine) if it raises. False: nothing ran.
+
+        A step that raises is run again in halves, down to single requests, so one request
+        that breaks the forward or the sampler (a value that got past `validate`, a bad
+        embedding) fails alone and the rest of the batch goes on. A failed step has changed no
+        request's progress (that happens in `postprocess`), so re-running it is safe."""
         try:
-            return self.step()
-        except Exception as e:  # a bug or a device error: the batch fails, the engine lives on
-            logger.exception("engine step failed")
-            for request in list(self.scheduler.running):
-                self._finish(request, "error", error=f"LM worker step failed: {e}")
+            batch = self.scheduler.schedule()
+        except Exception as e:  # a scheduler bug: nothing can be trusted about the batch
+            logger.exception("engine schedule failed")
+            for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self._finish(request, "error", error=f"LM worker scheduling failed: {e}")
             return False
+        if not batch.requests:
+            return False
+        self.metrics.preemptions.inc(len(batch.preempted))
+        failed: list[tuple[Request, Exception]] = []
+        if self._run_isolating(batch, failed) and failed:
+            self.metrics.isolated_failures.inc(len(failed))
+        # Some of the batch ran: the failures are the requests' own. None did: the worker's.
+        kind = "request" if len(failed) < len(batch) else "worker"
+        for request, e in failed:
+            self._finish(request, "error", error=f"LM worker step failed: {e}", error_kind=kind)
+        return True
+
+    def _run_isolating(
+        self, batch: ScheduledBatch, failed: list[tuple[Request, Exception]]
+    ) -> bool:
+        """Run the batch, in halves if it raises, down to single requests (collected in
+        `failed`). True when any part of it had to be isolated."""
+        try:
+            self.execute(batch)
+            return False
+        except Exception as e:
+            if len(batch) == 1:
+                request = batch.requests[0]
+                logger.exception("engine step failed for request %s", request.request_id)
+                failed.append((request, e))
+                return True
+            logger.warning("engine step of %d requests failed (%s): isolating", len(batch), e)
+        half = len(batch) // 2
+        pairs = list(zip(batch.requests, batch.num_scheduled_tokens, strict=True))
+        for part in (pairs[:half], pairs[half:]):
+            # Requests finished meanwhile (by the other half's outputs) are left out.
+            part = [(r, n) for r, n in part if r.status is Status.RUNNING]
+            if part:
+                sub = ScheduledBatch(
+                    requests=[r for r, _ in part],
+                    num_scheduled_tokens=[n for _, n in part],
+                    num_decodes=sum(1 for _, n in part if n == 1),
+                )
+                self._run_isolating(sub, failed)
+        return True
 
     def step(self) -> bool:
         batch = self.scheduler.schedule()
         if not batch.requests:
             return False
+        self.metrics.preemptions.inc(len(batch.preempted))
+        self.execute(batch)
+        return True
+
+    def execute(self, batch: ScheduledBatch) -> None:
+        """Run one scheduled batch: inputs, embeddings, forward, sample, outputs."""
         inputs = self.runner.prepare_inputs(batch)
         mm_embeds, is_mm_embed = self.runner.gather_mm_embeddings(inputs)
         logits = self.runner.forward(inputs, mm_embeds, is_mm_embed)
         sampled = self.sampler(logits, inputs.sampling_requests)
         outputs = self.postprocess(batch, inputs, sampled)
         self.stream_out(outputs)
-        return True
 
     # -- postprocess --------------------------------------------------------------------------
 
@@ -252,7 +306,6 @@ class LMEngine:
         self.metrics.batch_size.observe(len(batch))
         self._steps.add(len(batch))
         self.metrics.batch_tokens.observe(batch.total_tokens)
-        self.metrics.preemptions.inc(len(batch.preempted))
         for request, n in zip(batch.requests, batch.num_scheduled_tokens, strict=True):
             request.num_computed_tokens += n
             if request.first_scheduled is None:
@@ -376,6 +429,7 @@ class LMEngine:
         out: RequestOutput | None = None,
         emit: bool = True,
         error: str | None = None,
+        error_kind: str = "worker",
     ) -> None:
         """End a request: free its blocks and embeddings, complete its last output."""
         self.scheduler.finish(request, reason)
@@ -387,6 +441,7 @@ class LMEngine:
         out = out or RequestOutput(request.request_id)
         out.finish_reason = reason
         out.error = error
+        out.error_kind = error_kind
         out.num_prompt_tokens = request.num_prompt_tokens
         out.num_output_tokens = len(request.output_token_ids)
         out.num_cached_tokens = request.num_cached_tokens

@@ -20,9 +20,6 @@ from models import ModelFamily
 
 logger = logging.getLogger(__name__)
 
-# Under CUDA graphs the decode attention reads max_model_len keys per sequence (static shapes):
-# without an explicit lm.max_model_len the context is capped here.
-DEFAULT_MAX_MODEL_LEN = 8192
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
@@ -41,7 +38,7 @@ def build_engine(
     if use_graphs and device.type != "cuda":
         raise RuntimeError("lm.cuda_graphs is on but the LM runs on the CPU: set it to auto or off")
     text = family.text
-    max_model_len = lm.max_model_len or min(text.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    max_model_len = lm.context_length(text.max_position_embeddings)
     if max_model_len > text.max_position_embeddings:
         raise RuntimeError(
             f"lm.max_model_len {max_model_len} exceeds the model's max_position_embeddings "
@@ -53,6 +50,7 @@ def build_engine(
     if device.type == "cpu":
         kernel = _choose_cpu_kernel(lm, model)
     num_blocks = _num_kv_blocks(lm, family, dtype, device)
+    max_model_len = _fit_context(lm, max_model_len, num_blocks)
     attention.allocate(text.num_layers, num_blocks, text.num_kv_heads, text.head_dim, dtype, device)
     logger.info(
         "LM on %s (%s, %s linear): %d KV blocks of %d tokens (%.2f GiB), context %d, "
@@ -94,6 +92,31 @@ def build_engine(
         registry=registry,
         linear_kernel=kernel,
     )
+
+
+def _fit_context(lm: LMConfig, max_model_len: int, num_blocks: int) -> int:
+    """The context length the KV cache can hold for one sequence alone. A request longer than
+    the cache could never finish: it would preempt itself forever and block every request
+    queued behind it. An explicit lm.max_model_len that does not fit is a configuration error;
+    the default context is cut to what fits, and the log says so."""
+    capacity = (num_blocks - 1) * lm.block_size  # block 0 is the null block
+    if max_model_len <= capacity:
+        return max_model_len
+    if lm.max_model_len is not None:
+        raise RuntimeError(
+            f"lm.max_model_len {max_model_len} does not fit the KV cache: {num_blocks - 1} blocks "
+            f"of {lm.block_size} tokens hold {capacity}; raise lm.kv_cache_bytes or lower "
+            "lm.max_model_len"
+        )
+    if capacity < 2:
+        raise RuntimeError(f"the KV cache holds {capacity} tokens: raise lm.kv_cache_bytes")
+    logger.warning(
+        "the KV cache holds %d tokens, less than the default context %d: the context is %d",
+        capacity,
+        max_model_len,
+        capacity,
+    )
+    return capacity
 
 
 def _choose_cpu_kernel(lm: LMConfig, model: torch.nn.Module) -> str:

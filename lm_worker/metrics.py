@@ -41,6 +41,11 @@ class EngineMetrics:
         self.requests = Counter(
             "epd_lm_requests_total", "Finished requests by reason", ["finish_reason"], **kw
         )
+        self.isolated_failures = Counter(
+            "epd_lm_isolated_failures_total",
+            "Requests failed alone after their step raised (the rest of the batch went on)",
+            **kw,
+        )
         self.tokens = Counter("epd_lm_generated_tokens_total", "Tokens generated", **kw)
         self.embedding_misses = Counter(
             "epd_lm_embedding_misses_total",

@@ -3,8 +3,9 @@
 Each step: running requests first (decodes, then the rest of partial prefills), then waiting
 requests in arrival order while the token budget, the sequence cap and the KV blocks allow. A
 prefill chunk may stop anywhere, through the middle of an image's placeholders included. When a
-running request cannot get a block, the most recently admitted one is preempted: its blocks are
-freed and it goes back to the front of the queue, to be recomputed (its outputs so far are kept).
+running request cannot get a block, the most recently admitted other one is preempted (never the
+request being scheduled while another runs): its blocks are freed and it goes back to the front
+of the queue, to be recomputed (its outputs so far are kept).
 """
 
 from __future__ import annotations
@@ -72,7 +73,16 @@ class Scheduler:
                 continue
             num_new = min(remaining, budget)
             while not self.blocks.can_append(request, num_new):
-                victim = self.running[-1]
+                # The most recently admitted other request gives its blocks; if it was
+                # already scheduled this step it leaves the step. Only a request running
+                # alone preempts itself (the start-up check makes a lone request fit).
+                victim = next((r for r in reversed(self.running) if r is not request), request)
+                for scheduled in (decodes, prefills):
+                    for i, (r, n) in enumerate(scheduled):
+                        if r is victim:
+                            del scheduled[i]
+                            budget += n
+                            break
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:

@@ -148,8 +148,22 @@ class EmbeddingFetcher:
                         f"embeddings {sorted(set(misses))} did not arrive within "
                         f"{self.timeout:.0f}s"
                     )
+                # Everything arrived: an item missing on the next read was evicted again, a
+                # new miss, reported again (else it would wait out the whole timeout).
+                reported.clear()
         finally:
             self.waiting -= 1
+
+
+class _Active:
+    """A Generate call in flight: its output queue, its embedding wait, whether it is aborted
+    and whether the engine has it."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.fetch: asyncio.Future | None = None
+        self.aborted = False
+        self.in_engine = False
 
 
 class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
@@ -160,7 +174,7 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         self.engine: LMEngine | None = None
         self.fetcher: EmbeddingFetcher | None = None
         self.connector: AsyncECConnector | None = None
-        self.active: dict[str, asyncio.Queue] = {}
+        self.active: dict[str, _Active] = {}
 
     async def load(self) -> None:
         """Model, KV cache, graphs and a warm-up step, then the connector."""
@@ -206,20 +220,22 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                     grpc.StatusCode.ALREADY_EXISTS, f"request {req.request_id} is already running"
                 )
             started = time.monotonic()
-            queue: asyncio.Queue = asyncio.Queue()
-            self.active[req.request_id] = queue
+            live = self.active[req.request_id] = _Active()
+            queue = live.queue
             finished = False
             try:
                 embeddings = {}
                 if req.mm_features:
-                    reports: list[list[str]] = []
 
                     async def report(hashes: list[str]) -> None:
-                        reports.append(hashes)
                         await context.write(epd_pb2.LMGenerateResponse(missing_mm_hashes=hashes))
 
+                    live.fetch = asyncio.ensure_future(self.fetcher.fetch(req, report))
                     try:
-                        embeddings = await self.fetcher.fetch(req, report)
+                        embeddings = await live.fetch
+                    except asyncio.CancelledError:
+                        if not live.aborted or asyncio.current_task().cancelling():
+                            raise
                     except TimeoutError as e:
                         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
                     except EmbeddingMismatch as e:
@@ -227,13 +243,33 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                     except ConnectorError as e:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
                 wait = time.monotonic() - started
+                if live.aborted:  # aborted before the engine had it: it ends here
+                    finished = True
+                    await context.write(
+                        to_response(
+                            RequestOutput(
+                                req.request_id,
+                                finish_reason="abort",
+                                num_prompt_tokens=req.num_prompt_tokens,
+                            )
+                        )
+                    )
+                    return
                 req.arrival = time.monotonic()
                 engine.add_request(req, queue.put_nowait, embeddings)
+                live.in_engine = True
                 while True:
                     out: RequestOutput = await queue.get()
                     if out.finish_reason == "error":
                         finished = True
-                        await context.abort(grpc.StatusCode.INTERNAL, out.error or "engine error")
+                        # A request that failed alone is not retried on another worker, and
+                        # is not held against this one (FAILED_PRECONDITION).
+                        code = (
+                            grpc.StatusCode.FAILED_PRECONDITION
+                            if out.error_kind == "request"
+                            else grpc.StatusCode.INTERNAL
+                        )
+                        await context.abort(code, out.error or "engine error")
                     msg = to_response(out)
                     if out.finish_reason is not None:
                         finished = True
@@ -248,13 +284,22 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                         return
             finally:
                 self.active.pop(req.request_id, None)
-                if not finished:  # the client went away, or the deadline passed
+                if live.fetch is not None:
+                    live.fetch.cancel()
+                if not finished and live.in_engine:  # the client went away, or its deadline
                     engine.abort(req.request_id)
 
     async def Abort(self, request: epd_pb2.AbortRequest, context) -> epd_pb2.AbortResponse:
-        if request.request_id not in self.active:
+        """Abort a request in any state: waiting for its embeddings (the wait is cancelled and
+        its stream ends with FINISH_REASON_ABORT) or in the engine."""
+        live = self.active.get(request.request_id)
+        if live is None or live.aborted:
             return epd_pb2.AbortResponse(aborted=False)
-        self.engine.abort(request.request_id)
+        live.aborted = True
+        if live.in_engine:
+            self.engine.abort(request.request_id)
+        elif live.fetch is not None:
+            live.fetch.cancel()
         return epd_pb2.AbortResponse(aborted=True)
 
     async def GetLoad(self, request, context) -> epd_pb2.LMLoad:

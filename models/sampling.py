@@ -3,9 +3,14 @@ the reference path, so both draw from the same probabilities."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+# Temperatures below this sample as greedy: dividing logits by a denormal overflows them to
+# inf, and the softmax of inf is NaN.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,16 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; N: the sampled token's and the N most likely
 
     def __post_init__(self):
+        for key in ("temperature", "top_p"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{key} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{key} must be finite, got {value}")
+        for key in ("max_tokens", "top_k", "seed", "logprobs"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{key} must be an integer, got {value!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -34,7 +49,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def new_generator(seed: int | None) -> torch.Generator:

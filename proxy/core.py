@@ -21,8 +21,20 @@ from connector.client import async_client
 from proto import epd_pb2, epd_pb2_grpc
 from proxy.frontend import Chunk, Frontend
 from proxy.metrics import ProxyMetrics
-from proxy.prepare import PreparedRequest, RequestBuilder
+from proxy.prepare import ChatMessage, PreparedRequest, RequestBuilder
+from proxy.validate import Limits, check_prepared
 from proxy.workers import WorkerPool
+
+# Prompts with fewer characters are built on the event loop (cheaper than a thread hop).
+INLINE_CHARS = 16384
+
+
+def _chars(prompt) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    if prompt and isinstance(prompt[0], ChatMessage):
+        return sum(len(p.text or "") for m in prompt for p in m.parts)
+    return 0
 
 
 class Overloaded(RuntimeError):
@@ -40,7 +52,7 @@ class Proxy:
         self.config = config
         self.served = served
         self.metrics = metrics
-        self.builder = RequestBuilder(served)
+        self.builder = RequestBuilder(served, config.proxy.max_item_tokens)
         family = served.family
         self.card = epd_pb2.ModelCard(
             id=served.name,
@@ -66,10 +78,12 @@ class Proxy:
             self.lms,
             metrics,
             c.proxy.retries,
+            c.proxy.request_timeout_seconds,
             c.proxy.encode_mark_ttl_seconds,
         )
         self.frontend.dispatcher.signer = HashSigner(c.cluster.signing_key())
         self.pending = 0
+        self.context = c.lm.context_length(family.text.max_position_embeddings)
 
     async def start(self) -> None:
         await self.encoders.start()
@@ -85,12 +99,26 @@ class Proxy:
         if name and name != self.served.name:
             raise ModelNotFound(f"The model `{name}` does not exist.")
 
+    def limits(self) -> Limits:
+        """The edge's limits now. The context is the largest an LM worker reported (a worker
+        may serve less than its config says: its KV cache cuts it), or before any report, the
+        configured one. The worker checks again against its own."""
+        p = self.config.proxy
+        reported = [w.load.max_model_len for w in self.lms.workers.values() if w.load]
+        context = max(reported, default=0) or self.context
+        return Limits(p.max_body_bytes, p.max_media_items, p.max_item_tokens, context)
+
     async def prepare(self, build, prompt, media, *args, **kwargs) -> PreparedRequest:
-        """Hashing media and reading its headers is CPU work: off the event loop. A text-only
-        prompt costs tens of microseconds, less than the hop to a thread."""
-        if not media:
-            return build(prompt, media, *args, **kwargs)
-        return await asyncio.to_thread(build, prompt, media, *args, **kwargs)
+        """The request built and checked against the limits, before any encode is dispatched.
+        Hashing media, reading its headers and tokenizing long text is CPU work: off the event
+        loop. A short text-only prompt costs tens of microseconds, less than the hop to a
+        thread."""
+        if not media and _chars(prompt) < INLINE_CHARS:
+            prepared = build(prompt, media, *args, **kwargs)
+        else:
+            prepared = await asyncio.to_thread(build, prompt, media, *args, **kwargs)
+        check_prepared(prepared, self.limits())
+        return prepared
 
     async def run(self, prepared: PreparedRequest, timeout: float | None) -> AsyncIterator[Chunk]:
         """The request's chunks, with admission control, deadline and latency metrics."""

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
@@ -69,6 +70,7 @@ import redis
 from aiohttp import web
 
 from connector.client import store_stats
+from connector.registry import restarts_key
 from proxy.core import Proxy
 from proxy.workers import Worker, overall_status
 
@@ -195,6 +197,8 @@ class Dashboard:
         self.started = time.time()
         self.history = History(history_seconds)
         self.redis_info: dict[str, Any] = {"reachable": False, "error": "not checked yet"}
+        # Role name -> {"restarts", "last", "reason"}: what `epd up`'s supervisor did.
+        self.restarts: dict[str, dict[str, Any]] = {}
         self._last: dict[str, Any] | None = None  # counters at the previous sample
         self._recent: deque[tuple[float, dict]] = deque(maxlen=RECENT_SECONDS)
         self._ticks = 0
@@ -262,6 +266,7 @@ class Dashboard:
         try:
             async with asyncio.timeout(REDIS_TIMEOUT):
                 memory, stats, keys = await store_stats(proxy.redis)
+                restarts = await proxy.redis.hgetall(restarts_key(proxy.config.connector.namespace))
         except (redis.RedisError, OSError, TimeoutError, ValueError) as e:
             self.redis_info = {
                 **self.redis_info,
@@ -280,6 +285,13 @@ class Dashboard:
             "error": "",
             "checked": round(time.time(), 1),
         }
+        self.restarts = {}
+        for name, value in sorted(restarts.items()):
+            name = name.decode() if isinstance(name, bytes) else name
+            try:
+                self.restarts[name] = json.loads(value)
+            except ValueError:
+                continue  # not ours
 
     async def run(self) -> None:
         """Sample every `interval` seconds, on the second; Redis every REDIS_POLL_TICKS."""
@@ -318,6 +330,7 @@ class Dashboard:
             "cache": {},
             "traffic": {},
             "history": self.history.columns(since, self.interval),
+            "restarts": self.restarts,
         }
         if proxy is None:
             return state

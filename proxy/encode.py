@@ -86,7 +86,11 @@ class EncodeDispatcher:
         self, items: list[PreparedItem], deadline: float
     ) -> tuple[list[asyncio.Future], list[bool]]:
         """Futures of EncodeResult, one per item; and per item whether it joined an encode
-        already in flight (single flight)."""
+        already in flight (single flight).
+
+        `deadline` is the dispatch's own (the proxy's request timeout from now), never the
+        first joiner's: an encode is shared, and one impatient client must not fail it for
+        every request waiting on it (each waits under its own deadline)."""
         loop = asyncio.get_running_loop()
         futures, new, joined = [], [], []
         for item in items:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -49,6 +50,15 @@ class CallLost(Exception):
 
 
 @dataclass
+class _Running:
+    """A request in the frontend: its LM call now (its own id, the worker), and whether a
+    client aborted it."""
+
+    call: tuple[str, Worker] | None = None
+    aborted: bool = False
+
+
+@dataclass
 class Chunk:
     """What the frontend streams to either API: a token delta, and on the last one the rest."""
 
@@ -68,6 +78,7 @@ class Frontend:
         lms: WorkerPool,
         metrics: ProxyMetrics,
         retries: int,
+        encode_timeout: float,
         mark_ttl: float,
     ):
         self.connector = connector
@@ -76,15 +87,20 @@ class Frontend:
         self.metrics = metrics
         self.retries = retries
         self.dispatcher = EncodeDispatcher(encoders, metrics, retries, connector, mark_ttl)
-        self.running: dict[str, Worker] = {}  # request id -> the LM worker serving it
+        self.encode_timeout = encode_timeout
+        # Client request id -> the requests running under it. Clients' ids may collide; each
+        # LM call gets a unique id, so every one of them stays abortable.
+        self.running: dict[str, list[_Running]] = {}
 
     async def abort(self, request_id: str) -> bool:
         """Abort a running request; its stream ends with FINISH_REASON_ABORT."""
-        worker = self.running.get(request_id)
-        if worker is None:
-            return False
-        reply = await worker.stub.Abort(epd_pb2.AbortRequest(request_id=request_id), timeout=5)
-        return reply.aborted
+        requests = list(self.running.get(request_id, ()))
+        for running in requests:
+            running.aborted = True  # a request between two LM calls (migrating) stops too
+            if running.call is not None:
+                lm_id, worker = running.call
+                await worker.stub.Abort(epd_pb2.AbortRequest(request_id=lm_id), timeout=5)
+        return bool(requests)
 
     async def generate(self, req: PreparedRequest, deadline: float) -> AsyncIterator[Chunk]:
         usage = epd_pb2.Usage(mm_items=len(req.items))
@@ -103,7 +119,7 @@ class Frontend:
             missing = [i for i, h in zip(req.items, held, strict=True) if not h]
             self._count(usage, "held", len(req.items) - len(missing))
             if missing:
-                encodes, joined = self.dispatcher.submit(missing, deadline)
+                encodes, joined = self.dispatcher.submit(missing, self._encode_deadline())
                 self._count(usage, "deduplicated", sum(joined))
                 for future, was_joined in zip(encodes, joined, strict=True):
                     future.add_done_callback(_consume)  # retrieved even if this request ends
@@ -125,6 +141,9 @@ class Frontend:
                 yield chunk
         finally:
             encode_watch.cancel()
+
+    def _encode_deadline(self) -> float:
+        return time.monotonic() + self.encode_timeout
 
     def _count(self, usage: epd_pb2.Usage, result: str, n: int) -> None:
         """One place counts media items, for the request's usage and for the metrics."""
@@ -148,24 +167,72 @@ class Frontend:
         await asyncio.gather(*(asyncio.shield(f) for f in encodes))
         timings.encode_seconds = time.perf_counter() - started
 
+    def _lm_message(self, req: PreparedRequest, lm_id: str, sent: list[int]):
+        """The LM request: the prompt, and after a migration the tokens already sent appended
+        to it (their KV is recomputed on the new worker; max_tokens counts what is left)."""
+        msg = req.lm_request()
+        msg.request_id = lm_id
+        if sent:
+            msg.prompt_token_ids.extend(sent)
+            if req.sampling.HasField("max_tokens"):
+                msg.sampling.max_tokens = req.sampling.max_tokens - len(sent)
+        return msg
+
     async def _stream_lm(
         self, req: PreparedRequest, deadline: float, encode_watch: asyncio.Future
     ) -> AsyncIterator[Chunk]:
-        msg = req.lm_request()
+        """The LM's chunks. A call that fails for the worker's sake (it died, froze, was cut
+        off) before any output is retried on another worker; after some output the request
+        migrates: another worker continues from the prompt plus the tokens already sent, and
+        the client's stream goes on with no token repeated or skipped. (Greedy requests
+        continue token-identically; a seeded one continues with a fresh draw; a stop string
+        spanning the cut is not seen.)"""
+        running = _Running()
+        self.running.setdefault(req.request_id, []).append(running)
+        try:
+            async for chunk in self._attempts(req, deadline, encode_watch, running):
+                yield chunk
+        finally:
+            same_id = self.running.get(req.request_id, [])
+            same_id.remove(running)
+            if not same_id:
+                self.running.pop(req.request_id, None)
+
+    async def _attempts(self, req, deadline, encode_watch, running) -> AsyncIterator[Chunk]:
+        sent: list[int] = []  # output token ids the client has been sent
         tried: set[str] = set()
         for attempt in range(self.retries):
+            if running.aborted:  # aborted while it migrated
+                usage = epd_pb2.Usage(
+                    prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(sent)
+                )
+                finish = epd_pb2.FINISH_REASON_ABORT
+                yield Chunk(finish_reason=finish, usage=usage, timings=epd_pb2.StageTimings())
+                return
             worker = self.lms.pick(exclude=tried) or self.lms.pick()
             if worker is None:
                 raise Unavailable("no LM worker is available")
             tried.add(worker.address)
-            produced = False
-            tokens = len(req.prompt_token_ids)
+            lm_id = f"{req.request_id}@{uuid.uuid4().hex[:12]}"
+            msg = self._lm_message(req, lm_id, sent)
+            carried = len(sent)  # output tokens this call takes as prompt
+            if msg.sampling.HasField("max_tokens") and msg.sampling.max_tokens < 1:
+                usage = epd_pb2.Usage(
+                    prompt_tokens=len(req.prompt_token_ids), completion_tokens=carried
+                )
+                finish = epd_pb2.FINISH_REASON_LENGTH
+                yield Chunk(finish_reason=finish, usage=usage, timings=epd_pb2.StageTimings())
+                return
+            tokens = len(msg.prompt_token_ids)
             worker.outstanding += tokens
-            self.running[req.request_id] = worker
+            running.call = (lm_id, worker)
             call = worker.stub.Generate(msg, timeout=max(deadline - time.monotonic(), 0.01))
             try:
                 async for chunk in self._relay(call, req, deadline, encode_watch):
-                    produced = True
+                    sent.extend(chunk.token_ids)
+                    if carried and chunk.usage is not None:  # counted as the client sees it
+                        chunk.usage.prompt_tokens -= carried
+                        chunk.usage.completion_tokens += carried
                     yield chunk
                 self.lms.succeeded(worker)
                 return
@@ -178,17 +245,29 @@ class Frontend:
                 code = e.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise BadInput(e.details()) from None
-                if code in RETRYABLE:
+                # The client's own deadline passing is no fault of the worker's.
+                expired = code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline
+                if code in RETRYABLE and not expired:
                     self.lms.failed(worker, f"Generate: {code.name}: {e.details()}")
-                if produced or code not in RETRYABLE or attempt + 1 >= self.retries:
+                if expired or code not in RETRYABLE or attempt + 1 >= self.retries:
                     if isinstance(e, CallLost):
                         raise Unavailable(e.details()) from None
                     raise
-                self.metrics.retries.labels("lm").inc()
+                if sent:
+                    self.metrics.migrations.inc()
+                    logger.warning(
+                        "%s: LM worker %s failed after %d tokens (%s): migrating",
+                        req.request_id,
+                        worker.address,
+                        len(sent),
+                        code.name,
+                    )
+                else:
+                    self.metrics.retries.labels("lm").inc()
                 await asyncio.sleep(backoff(attempt))
             finally:
                 worker.outstanding -= tokens
-                self.running.pop(req.request_id, None)
+                running.call = None
                 call.cancel()  # no-op when finished; aborts the LM request otherwise
 
     async def _relay(self, call, req: PreparedRequest, deadline: float, encode_watch):
@@ -237,7 +316,7 @@ class Frontend:
                 "%s: re-encoding %d items the LM worker found missing", req.request_id, len(lost)
             )
             self.metrics.reencodes.inc(len(lost))
-            futures, _ = self.dispatcher.submit(lost, deadline)
+            futures, _ = self.dispatcher.submit(lost, self._encode_deadline())
             for f in futures:  # failures surface through the LM's wait timing out
                 f.add_done_callback(_consume)
 

@@ -22,8 +22,6 @@ The official `openai` client works against it unchanged. Errors come in the Open
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import logging
 import ssl
@@ -43,7 +41,8 @@ from proxy.auth import ANONYMOUS
 from proxy.core import ModelNotFound, Overloaded, Proxy
 from proxy.dashboard import add_dashboard
 from proxy.encode import Unavailable
-from proxy.prepare import BadInput, ChatMessage, Part
+from proxy.prepare import BadInput
+from proxy.validate import check_sampling, parse_chat_body, parse_json_body
 from proxy.workers import overall_status
 
 logger = logging.getLogger(__name__)
@@ -91,95 +90,6 @@ def error_of(e: Exception) -> HttpError:
     return HttpError(500, f"internal error: {e}", "InternalServerError")
 
 
-def _data_url(url: str, what: str) -> bytes:
-    if not url.startswith("data:"):
-        raise BadInput(f"{what}: only data: URLs are supported (the proxy fetches nothing)")
-    header, _, payload = url.partition(",")
-    try:
-        if header.endswith(";base64"):
-            return base64.b64decode(payload, validate=True)
-    except binascii.Error:
-        raise BadInput(f"{what}: the data URL's base64 payload is invalid") from None
-    raise BadInput(f"{what}: data URLs must be base64-encoded")
-
-
-def parse_messages(messages: Any) -> tuple[list[ChatMessage], list[MediaInput]]:
-    """OpenAI chat messages -> our chat form and the media items they carry, in order."""
-    if not isinstance(messages, list) or not messages:
-        raise BadInput("messages must be a non-empty list")
-    chat, media = [], []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise BadInput(f"messages[{i}] must be an object with a role")
-        content = m.get("content") or ""
-        if isinstance(content, str):
-            chat.append(ChatMessage(m["role"], (Part(text=content),)))
-            continue
-        if not isinstance(content, list):
-            raise BadInput(f"messages[{i}].content must be a string or a list of parts")
-        parts = []
-        for j, part in enumerate(content):
-            where = f"messages[{i}].content[{j}]"
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                parts.append(Part(text=str(part.get("text", ""))))
-            elif kind == "image_url":
-                image = part.get("image_url")
-                url = image.get("url") if isinstance(image, dict) else image
-                if not isinstance(url, str):
-                    raise BadInput(f"{where}: image_url needs a url")
-                uuid_ = part.get("uuid") or ""
-                media.append(MediaInput("image", image=_data_url(url, where), uuid=uuid_))
-                parts.append(Part(media_index=len(media) - 1))
-            elif kind == "video_url":
-                video = part.get("video_url")
-                url = video.get("url") if isinstance(video, dict) else video
-                if not isinstance(url, str):
-                    raise BadInput(f"{where}: video_url needs a url")
-                uuid_ = part.get("uuid") or ""
-                media.append(MediaInput("video", video=_data_url(url, where), uuid=uuid_))
-                parts.append(Part(media_index=len(media) - 1))
-            elif kind == "input_audio":
-                audio = part.get("input_audio") or {}
-                try:
-                    data = base64.b64decode(audio.get("data", ""), validate=True)
-                except binascii.Error:
-                    raise BadInput(f"{where}: input_audio.data is not valid base64") from None
-                if audio.get("format", "wav") != "wav":
-                    raise BadInput(f"{where}: input_audio format must be wav")
-                media.append(MediaInput("audio", audio=AudioClip(data, "wav", 0)))
-                parts.append(Part(media_index=len(media) - 1))
-            else:
-                raise BadInput(f"{where}: unsupported content part type {kind!r}")
-        chat.append(ChatMessage(m["role"], tuple(parts)))
-    return chat, media
-
-
-def parse_sampling(body: dict) -> epd_pb2.SamplingParams:
-    s = epd_pb2.SamplingParams(ignore_eos=bool(body.get("ignore_eos", False)))
-    try:
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is not None:
-            s.max_tokens = int(max_tokens)
-        for key in ("temperature", "top_p"):
-            if body.get(key) is not None:
-                setattr(s, key, float(body[key]))
-        if body.get("top_k") is not None:
-            s.top_k = max(int(body["top_k"]), 0)  # vLLM: -1 means off
-        if body.get("seed") is not None:
-            s.seed = int(body["seed"]) % 2**64
-        stop = body.get("stop")
-        if stop:
-            s.stop.extend([stop] if isinstance(stop, str) else [str(x) for x in stop])
-        if body.get("logprobs"):
-            s.logprobs = int(body.get("top_logprobs") or 0)
-    except (TypeError, ValueError) as e:
-        raise BadInput(f"bad sampling parameter: {e}") from None
-    if int(body.get("n", 1)) != 1:
-        raise BadInput("only n=1 is supported")
-    return s
-
-
 class HttpApi:
     def __init__(self, role: RoleServer, middlewares: Sequence = ()):
         self.proxy: Proxy | None = None  # set by attach() once loaded
@@ -204,7 +114,11 @@ class HttpApi:
         self.dashboard.proxy = proxy
 
     async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
-        self.runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0)
+        # A client that goes away cancels its handler: the LM call is cancelled with it, and
+        # the LM worker aborts the request (no work nobody waits for).
+        self.runner = web.AppRunner(
+            self.app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True
+        )
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, ssl_context=tls)
         try:
@@ -327,6 +241,7 @@ class HttpApi:
                 sampling.max_tokens = int(form["max_tokens"])
         except ValueError as e:
             raise BadInput(f"bad sampling parameter: {e}") from None
+        check_sampling(sampling)
         return_ids = str(form.get("return_token_ids", "")).lower() in ("1", "true")
         media = [MediaInput("audio", audio=AudioClip(data, "wav", 0))]
         request_id = f"trsc-{uuid.uuid4().hex[:24]}"
@@ -412,26 +327,27 @@ class HttpApi:
         return response
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise BadInput("the body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise BadInput("the body must be a JSON object")
         proxy = self.proxy
-        proxy.check_model(body.get("model") or "")
-        chat, media = parse_messages(body.get("messages"))
-        sampling = parse_sampling(body)
-        return_ids = bool(body.get("return_token_ids", False))
+        limits = proxy.limits()
+        body = parse_json_body(await read_body(request, limits.max_body_bytes))
+        parsed = parse_chat_body(body, limits)
+        proxy.check_model(parsed.model)
+        sampling, return_ids = parsed.sampling, parsed.return_token_ids
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         tenant = request.get("principal", ANONYMOUS).tenant
         prepared = await proxy.prepare(
-            proxy.builder.build, chat, media, sampling, request_id, False, return_ids, tenant=tenant
+            proxy.builder.build,
+            parsed.chat,
+            parsed.media,
+            sampling,
+            request_id,
+            False,
+            return_ids,
+            tenant=tenant,
         )
         chunks = proxy.run(prepared, None)
-        if body.get("stream"):
-            options = body.get("stream_options") or {}
-            return await self._stream(request, prepared, chunks, bool(options.get("include_usage")))
+        if parsed.stream:
+            return await self._stream(request, prepared, chunks, parsed.include_usage)
         text, token_ids, logprobs, last = [], [], [], None
         async for chunk in chunks:
             text.append(chunk.text)
@@ -523,6 +439,23 @@ class HttpApi:
                 for t, e in zip(token_ids, entries, strict=False)
             ]
         }
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request's body, refused (413) past `limit` bytes: by its Content-Length before
+    anything is read, else as soon as the bytes read pass it."""
+    too_large = HttpError(
+        413, f"the body is larger than {limit} bytes (proxy.max_body_bytes)", "BadRequestError"
+    )
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _usage(usage: epd_pb2.Usage | None) -> dict:

@@ -96,6 +96,11 @@ class ProxyMetrics:
         self.retries = Counter(
             "epd_retries_total", "Calls retried on another worker", ["role"], **kw
         )
+        self.migrations = Counter(
+            "epd_migrations_total",
+            "Requests moved to another LM worker mid-stream (theirs failed after some output)",
+            **kw,
+        )
         self.ttft_window = LatencyWindow()
         self.itl_window = LatencyWindow()
 

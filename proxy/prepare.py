@@ -120,7 +120,7 @@ def mm_hash(fingerprint: str, item: MediaInput, tenant: str = "") -> str:
 class RequestBuilder:
     """Turns prompts and media into PreparedRequests for one served model."""
 
-    def __init__(self, served: ServedModel):
+    def __init__(self, served: ServedModel, max_item_tokens: int | None = None):
         family = served.family
         self.served = served
         self.family = family
@@ -129,6 +129,9 @@ class RequestBuilder:
         self.processor = family.processor()
         self.modalities = family.modalities
         self.placeholder = family.placeholder_token_ids
+        # Placeholder tokens one item may become (None: no limit); checked before the prompt
+        # is expanded, so an absurd size is refused before anything is allocated for it.
+        self.max_item_tokens = max_item_tokens
 
     def build(
         self,
@@ -168,6 +171,13 @@ class RequestBuilder:
                 grid = self.processor.grid(item)
             except MediaError as e:
                 raise BadInput(f"media item {index}: {e.reason}") from None
+            except (ArithmeticError, TypeError, ValueError) as e:  # kwargs the math refuses
+                raise BadInput(f"media item {index}: its settings cannot be used: {e}") from None
+            if self.max_item_tokens is not None and grid.num_tokens > self.max_item_tokens:
+                raise BadInput(
+                    f"media item {index} becomes {grid.num_tokens} tokens, more than "
+                    f"{self.max_item_tokens} (proxy.max_item_tokens; lower its max_pixels)"
+                )
             items.append(PreparedItem(mm_hash(self.served.fingerprint, item, tenant), item, grid))
         ids = self._expand(ids, items)
         return PreparedRequest(

@@ -28,6 +28,7 @@ from proxy.frontend import Chunk
 from proxy.http import HttpApi
 from proxy.metrics import ProxyMetrics
 from proxy.prepare import BadInput, ChatMessage, Part
+from proxy.validate import check_generate, refuse_malformed, tolerant_add
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,14 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request: epd_pb2.GenerateRequest, context):
         principal = await grpc_principal(self.keys, context)
+        await refuse_malformed(request, context)
         async with self.role.work(context):
             proxy = self.proxy
             status = grpc.StatusCode.OK
             prepared = None
             try:
                 proxy.check_model(request.model)
+                check_generate(request, proxy.limits(), proxy.served.family.text.vocab_size)
                 media = [media_from_proto(m) for m in request.media]
                 kind = request.WhichOneof("prompt")
                 if kind == "chat":
@@ -116,6 +119,7 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
 
     async def Abort(self, request: epd_pb2.AbortRequest, context) -> epd_pb2.AbortResponse:
         principal = await grpc_principal(self.keys, context)
+        await refuse_malformed(request, context)
         owner = self.owners.get(request.request_id)
         if owner is None or owner.key_id != principal.key_id:
             # Another key's request is answered as an unknown one: its id reveals nothing.
@@ -129,6 +133,7 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
 
     async def ListModels(self, request, context) -> epd_pb2.ListModelsResponse:
         await grpc_principal(self.keys, context)
+        await refuse_malformed(request, context)
         return epd_pb2.ListModelsResponse(models=[self.proxy.card])
 
 
@@ -162,7 +167,7 @@ async def serve(config: ClusterConfig, name: str) -> int:
     service = Service(
         epd_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
         servicer,
-        epd_pb2_grpc.add_InferenceServicer_to_server,
+        tolerant_add(epd_pb2_grpc.add_InferenceServicer_to_server),
     )
     listen = f"{p.host}:{p.grpc_port}"
     credentials = server_credentials(p.tls_cert, p.tls_key) if p.tls_cert else None

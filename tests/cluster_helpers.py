@@ -39,15 +39,25 @@ def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> byt
 
 class Cluster:
     """`store`: a Redis the test started (an EmbeddedCluster, say), with `connector` settings
-    to reach it in `sections`; by default the cluster starts (and stops) its own."""
+    to reach it in `sections`; by default the cluster starts (and stops) its own. `lms`: LM
+    workers (lm-0, lm-1, ...)."""
 
-    def __init__(self, workdir: Path, checkpoint: Path, encoders: int = 2, store=None, **sections):
+    def __init__(
+        self,
+        workdir: Path,
+        checkpoint: Path,
+        encoders: int = 2,
+        store=None,
+        lms: int = 1,
+        **sections,
+    ):
         self.workdir = workdir
         self.own_redis = store is None
         self.redis = EmbeddedRedis().start() if store is None else store
         self.proxy_grpc, self.proxy_http = free_port(), free_port()
         self.encoder_addresses = [f"127.0.0.1:{free_port()}" for _ in range(encoders)]
-        self.lm_address = f"127.0.0.1:{free_port()}"
+        self.lm_addresses = [f"127.0.0.1:{free_port()}" for _ in range(lms)]
+        self.lm_address = self.lm_addresses[0]
         config = {
             "model": {"path": str(checkpoint), "name": "tiny"},
             "connector": {"url": self.redis.url},
@@ -56,7 +66,7 @@ class Cluster:
                 "grpc_port": self.proxy_grpc,
                 "http_port": self.proxy_http,
                 "encoders": self.encoder_addresses,
-                "lm_workers": [self.lm_address],
+                "lm_workers": self.lm_addresses,
                 "load_poll_seconds": 0.2,
             },
             "lm": {
@@ -74,7 +84,8 @@ class Cluster:
         self.roles: dict[str, RoleProcess] = {}
         for i, address in enumerate(self.encoder_addresses):
             self.start("encoder", f"encoder-{i}", address)
-        self.start("lm", "lm-0", self.lm_address)
+        for i, address in enumerate(self.lm_addresses):
+            self.start("lm", f"lm-{i}", address)
         self.start("proxy", "proxy", f"127.0.0.1:{self.proxy_grpc}")
         for role in self.roles.values():
             role.wait_status("SERVING", timeout=120)

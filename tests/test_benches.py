@@ -173,3 +173,30 @@ def test_bench_encoder_video(tiny_checkpoint):
     assert summary["bench"] == "encoder-video"
     assert summary["tokens_per_video_evs"] < summary["tokens_per_video_off"]
     assert summary["ttft_ms_off"] > 0 and summary["ttft_ms_evs"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_soak(tiny_checkpoint):
+    summary = bench(
+        "soak",
+        "--model",
+        str(tiny_checkpoint),
+        "--minutes",
+        "0.15",
+        "--interval-seconds",
+        "4",
+        "--concurrency",
+        "2",
+        "--max-tokens",
+        "4",
+        "--image-size",
+        "56",
+        "--grpc-port",
+        str(free_port()),
+        "--http-port",
+        str(free_port()),
+    )
+    assert summary["bench"] == "soak" and summary["requests"] > 0
+    assert summary["errors"] == 0, summary["intervals"]
+    assert len(summary["intervals"]) >= 2
+    assert set(summary["rss_growth_mib"]) >= {"proxy", "lm-0", "encoder-0", "redis"}

@@ -179,6 +179,37 @@ def test_abort_and_client_cancel_free_the_request(lm, tiny_ref):
     assert load.kv_blocks_total > 0 and load.worker_id == "lm"
 
 
+def test_abort_while_waiting_for_embeddings_ends_the_request(lm, tiny_ref):
+    """Abort used to answer True during the embedding wait and the request ran on anyway
+    (to its embeddings' arrival, or the wait's timeout)."""
+    stub, publisher, _ = lm
+    c = case(tiny_ref, "wait-abort", "Never mind", [png(56, 56, (4, 5, 6))])
+    stream = stub.Generate(lm_request(c), timeout=60)
+    first = next(stream)
+    assert list(first.missing_mm_hashes) == list(c.embeddings)
+    assert stub.Abort(epd_pb2.AbortRequest(request_id="wait-abort")).aborted
+    for mm_hash, tensor in c.embeddings.items():
+        publisher.put(mm_hash, tensor)  # arriving now must not start it
+    tokens, messages = collect(stream)
+    assert tokens == []
+    assert messages[-1].finish_reason == epd_pb2.FINISH_REASON_ABORT
+    assert not stub.Abort(epd_pb2.AbortRequest(request_id="wait-abort")).aborted
+    assert stub.GetLoad(epd_pb2.GetLoadRequest()).waiting_for_embeddings == 0
+
+
+def test_nan_temperature_is_refused_and_a_denormal_one_runs_greedily(lm, tiny_ref):
+    """Values refused at the edge (NaN temperature) never reach a step; a denormal one samples
+    greedily instead of breaking the step for the whole batch."""
+    stub, _, _ = lm
+    c = case(tiny_ref, "nan-1", "Hot")
+    with pytest.raises(grpc.RpcError) as info:
+        collect(stub.Generate(lm_request(c, temperature=float("nan")), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "temperature must be finite" in info.value.details()
+    tokens, _ = collect(stub.Generate(lm_request(c, "tiny-1", temperature=1e-40), timeout=60))
+    assert tokens == c.expected
+
+
 def test_metrics_are_served_over_http(lm, tiny_ref):
     stub, _, role = lm
     collect(stub.Generate(lm_request(case(tiny_ref, "metrics-1", "Count me")), timeout=60))

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -203,6 +204,85 @@ def test_bad_flag_value_is_a_config_error():
     assert "proxy.http_port: must be a port in 1..65535, got 70000" in result.stderr
 
 
+def generate(port: int, images: tuple[bytes, ...] = (), max_tokens: int = 4) -> list[int]:
+    request = epd_pb2.GenerateRequest(
+        media=[epd_pb2.MediaItem(image=b) for b in images],
+        sampling=epd_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+    parts = [epd_pb2.ContentPart(media_index=i) for i in range(len(images))]
+    request.chat.messages.add(role="user", content=[*parts, epd_pb2.ContentPart(text="Hi")])
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = epd_pb2_grpc.InferenceStub(channel)
+        return [t for r in stub.Generate(request, timeout=60) for t in r.token_ids]
+
+
+def drain_stderr(cluster: Up) -> list[str]:
+    """The launcher's stderr, read as it comes (a full pipe would block the roles' logging)."""
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in cluster.proc.stderr:
+            lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def child_named(cluster: Up, name: str) -> psutil.Process | None:
+    for p in cluster.descendants():
+        try:
+            cmd = p.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if (name == "redis" and "valkey-server" in " ".join(cmd)) or name in cmd:
+            return p
+    return None
+
+
+def wait_for(condition, what: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_up_restarts_a_dead_role_and_redis_and_serves_meanwhile(up):
+    """kill -9 of an LM worker, then of the embedded Redis: each is restarted while the cluster
+    serves on the survivors; the dashboard shows the restarts. (Before: the launcher stopped
+    the whole cluster on the first death.)"""
+    from tests.cluster_helpers import image_bytes
+
+    cluster = up("--lm-workers", "2")
+    cluster.wait_serving()
+    err = drain_stderr(cluster)
+
+    old = child_named(cluster, "lm-1")
+    old.kill()
+    assert len(generate(cluster.grpc_port)) == 4  # lm-0 serves meanwhile
+    wait_for(lambda: (p := child_named(cluster, "lm-1")) and p.pid != old.pid, "lm-1's restart")
+    wait_for(lambda: cluster.http_get("/health")[1]["status"] == "healthy", "a healthy cluster")
+
+    old_redis = child_named(cluster, "redis")
+    old_redis.kill()
+    wait_for(
+        lambda: (p := child_named(cluster, "redis")) and p.pid != old_redis.pid, "Redis's restart"
+    )
+    # Redis came back empty: the image is encoded again, and the registry refills.
+    assert len(generate(cluster.grpc_port, (image_bytes(56, 56, 3),))) == 4
+
+    def restarts() -> dict:
+        return cluster.http_get("/dashboard/state")[1].get("restarts", {})
+
+    wait_for(lambda: {"lm-1", "redis"} <= set(restarts()), "the dashboard's restart record")
+    assert restarts()["lm-1"]["restarts"] == 1 and restarts()["redis"]["restarts"] == 1
+    assert cluster.proc.poll() is None
+    text = "".join(err)
+    assert "lm-1 stopped unexpectedly (exit code -9); restarting in" in text
+    assert "lm-1 restarted" in text and "the embedded Redis server restarted" in text
+    cluster.proc.send_signal(signal.SIGINT)
+    assert cluster.proc.wait(60) == 0
+
+
 def test_up_on_an_external_redis_cluster(up, redis_cluster):
     cluster = up("--redis-url", redis_cluster.url, "--redis-cluster")
     cluster.wait_serving()
@@ -221,6 +301,16 @@ def test_up_on_an_external_redis_cluster(up, redis_cluster):
     assert result.returncode == 0, result.stderr
     cluster.proc.send_signal(signal.SIGINT)
     assert cluster.proc.wait(60) == 0
+
+
+def test_up_gives_up_past_the_restart_budget(up):
+    cluster = up("--max-restarts", "0")
+    cluster.wait_serving()
+    err = drain_stderr(cluster)
+    child_named(cluster, "encoder-0").kill()
+    assert cluster.proc.wait(60) == 1
+    wait_for(lambda: "cluster stopped" in "".join(err), "the launcher's last words", 10)
+    assert "more than --max-restarts 0; stopping the cluster" in "".join(err)
 
 
 def test_up_redis_cluster_without_url_starts_an_embedded_cluster(up):

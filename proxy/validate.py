@@ -1,0 +1,415 @@
+"""Every value a client sends, checked at the edge before any work is done for it.
+
+    HTTP JSON body      size (before it is read), JSON depth, valid Unicode, strict types per
+                        field, sampling values finite and in range      -> parse_chat_body
+    gRPC messages       bytes that do not parse (tolerant deserializers), sampling values, ids,
+                        item counts                                    -> check_generate
+    both, once the prompt is known and before any encode is dispatched: the context length
+    (prompt + max_tokens), placeholder tokens per item                   -> check_prepared
+
+Every problem raises BadInput naming the field (HTTP 400 / INVALID_ARGUMENT). Nothing here
+touches a worker.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from models import AudioClip, MediaInput
+from proto import epd_pb2
+from proxy.prepare import BadInput, ChatMessage, Part, PreparedRequest
+
+# JSON nesting deeper than this is refused before parsing (the chat body needs about 6 levels;
+# Python's parser would otherwise recurse until RecursionError).
+MAX_JSON_DEPTH = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_REQUEST_ID_CHARS = 256
+MAX_LOGPROBS = 20
+UINT32 = 2**32 - 1
+# A token is at most this many characters in any tokenizer we serve: a text longer than the
+# context times this is over the context without being tokenized.
+MAX_CHARS_PER_TOKEN = 64
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int
+    max_media_items: int
+    max_item_tokens: int
+    context: int  # tokens: prompt + output
+
+
+# -- JSON --------------------------------------------------------------------------------------
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """The body as a JSON object; BadInput for anything else (invalid UTF-8 or JSON, nesting
+    deeper than MAX_JSON_DEPTH, lone surrogates, another top-level type)."""
+    if _depth(raw) > MAX_JSON_DEPTH:
+        raise BadInput(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise BadInput("the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadInput("the body must be a JSON object")
+    try:  # "\ud800" parses to a lone surrogate that no later encode survives
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise BadInput("the body holds a lone UTF-16 surrogate (invalid Unicode)") from None
+    return body
+
+
+def _depth(raw: bytes) -> int:
+    """Upper bound of the nesting depth (brackets inside strings count too: conservative only
+    for bodies that are mostly brackets)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_JSON_DEPTH:
+                    return deepest
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def _opt(body: dict, key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    """body[key] if present and not null, checked to be of `kind` (bool is never a number)."""
+    value = body.get(key)
+    if value is None:
+        return None
+    number = kind in (int, float) or kind == (int, float)
+    if (number and isinstance(value, bool)) or not isinstance(value, kind):
+        raise BadInput(f"{key} must be {what}, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _number(body: dict, key: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    value = _opt(body, key, (int, float), "a number")
+    if value is None:
+        return None
+    if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise BadInput(f"{key} must be a finite number in {bracket}{lo}, {hi}], got {value}")
+    return float(value)
+
+
+def _integer(body: dict, key: str, lo: int, hi: int) -> int | None:
+    value = _opt(body, key, int, "an integer")
+    if value is not None and not lo <= value <= hi:
+        raise BadInput(f"{key} must be an integer in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _flag(body: dict, key: str) -> bool:
+    return bool(_opt(body, key, bool, "true or false"))
+
+
+def parse_sampling(body: dict) -> epd_pb2.SamplingParams:
+    """OpenAI / vLLM sampling fields -> SamplingParams, each checked for type and range."""
+    s = epd_pb2.SamplingParams(ignore_eos=_flag(body, "ignore_eos"))
+    for key in ("max_completion_tokens", "max_tokens"):
+        max_tokens = _integer(body, key, 1, UINT32)
+        if max_tokens is not None:
+            s.max_tokens = max_tokens
+            break
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    if temperature is not None:
+        s.temperature = temperature
+    top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
+    if top_p is not None:
+        s.top_p = top_p
+    top_k = _integer(body, "top_k", -1, UINT32)
+    if top_k is not None:
+        s.top_k = max(top_k, 0)  # vLLM: -1 means off
+    seed = _integer(body, "seed", -(2**63), 2**64 - 1)
+    if seed is not None:
+        s.seed = seed % 2**64
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
+            raise BadInput("stop must be a string or a list of strings")
+        s.stop.extend(stops)
+    check_stop(list(s.stop))
+    if _flag(body, "logprobs"):
+        s.logprobs = _integer(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
+    n = _integer(body, "n", 1, UINT32)
+    if n not in (None, 1):
+        raise BadInput("only n=1 is supported")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if _number(body, key, -2.0, 2.0):
+            raise BadInput(f"{key} is not supported")
+    return s
+
+
+def check_stop(stops: list[str]) -> None:
+    if len(stops) > MAX_STOP_STRINGS:
+        raise BadInput(f"stop has {len(stops)} strings, at most {MAX_STOP_STRINGS}")
+    for x in stops:
+        if not x or len(x) > MAX_STOP_CHARS:
+            raise BadInput(f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
+
+
+@dataclass
+class ChatBody:
+    model: str
+    chat: list[ChatMessage]
+    media: list[MediaInput]
+    sampling: epd_pb2.SamplingParams
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def parse_chat_body(body: dict, limits: Limits) -> ChatBody:
+    """A /v1/chat/completions body, every field checked."""
+    model = _opt(body, "model", str, "a string") or ""
+    chat, media = parse_messages(body.get("messages"), limits)
+    sampling = parse_sampling(body)
+    stream = _flag(body, "stream")
+    options = _opt(body, "stream_options", dict, "an object") or {}
+    include_usage = _flag(options, "include_usage")
+    return ChatBody(
+        model, chat, media, sampling, stream, include_usage, _flag(body, "return_token_ids")
+    )
+
+
+def _data_url(url: str, what: str) -> bytes:
+    if not url.startswith("data:"):
+        raise BadInput(f"{what}: only data: URLs are supported (the proxy fetches nothing)")
+    header, _, payload = url.partition(",")
+    try:
+        if header.endswith(";base64"):
+            return base64.b64decode(payload, validate=True)
+    except binascii.Error:
+        raise BadInput(f"{what}: the data URL's base64 payload is invalid") from None
+    raise BadInput(f"{what}: data URLs must be base64-encoded")
+
+
+def parse_messages(messages: Any, limits: Limits) -> tuple[list[ChatMessage], list[MediaInput]]:
+    """OpenAI chat messages -> our chat form and the media items they carry, in order."""
+    if not isinstance(messages, list) or not messages:
+        raise BadInput("messages must be a non-empty list")
+    chat, media = [], []
+    chars = 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadInput(f"messages[{i}] must be an object with a string role")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        if isinstance(content, str):
+            chars += len(content)
+            chat.append(ChatMessage(m["role"], (Part(text=content),)))
+            continue
+        if not isinstance(content, list):
+            raise BadInput(f"messages[{i}].content must be a string or a list of parts")
+        parts = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise BadInput(f"{where}: text must be a string")
+                chars += len(text)
+                parts.append(Part(text=text))
+                continue
+            if kind not in ("image_url", "video_url", "input_audio"):
+                raise BadInput(f"{where}: unsupported content part type {kind!r}")
+            if len(media) >= limits.max_media_items:
+                raise BadInput(
+                    f"more than {limits.max_media_items} media items (proxy.max_media_items)"
+                )
+            if kind in ("image_url", "video_url"):
+                # An image file, or a video container file (MP4, WebM, MKV, MOV).
+                holder = part.get(kind)
+                url = holder.get("url") if isinstance(holder, dict) else holder
+                if not isinstance(url, str):
+                    raise BadInput(f"{where}: {kind} needs a url")
+                uuid_ = part.get("uuid")
+                if uuid_ is not None and not isinstance(uuid_, str):
+                    raise BadInput(f"{where}: uuid must be a string")
+                check_id(uuid_ or "", f"{where}.uuid")
+                data = _data_url(url, where)
+                if kind == "image_url":
+                    media.append(MediaInput("image", image=data, uuid=uuid_ or ""))
+                else:
+                    media.append(MediaInput("video", video=data, uuid=uuid_ or ""))
+            else:
+                audio = part.get("input_audio")
+                if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
+                    raise BadInput(f"{where}: input_audio must be an object with string data")
+                try:
+                    data = base64.b64decode(audio["data"], validate=True)
+                except binascii.Error:
+                    raise BadInput(f"{where}: input_audio.data is not valid base64") from None
+                if audio.get("format", "wav") != "wav":
+                    raise BadInput(f"{where}: input_audio format must be wav")
+                media.append(MediaInput("audio", audio=AudioClip(data, "wav", 0)))
+            parts.append(Part(media_index=len(media) - 1))
+        chat.append(ChatMessage(m["role"], tuple(parts)))
+    check_text_chars(chars, limits)
+    return chat, media
+
+
+def check_text_chars(chars: int, limits: Limits) -> None:
+    """Refuse text that cannot fit the context before tokenizing it (tokenizing megabytes
+    holds a CPU for seconds)."""
+    if chars > limits.context * MAX_CHARS_PER_TOKEN:
+        raise BadInput(
+            f"the prompt has {chars} characters: more than a {limits.context}-token context "
+            "can hold"
+        )
+
+
+def check_id(value: str, what: str) -> None:
+    if len(value) > MAX_REQUEST_ID_CHARS:
+        raise BadInput(f"{what} has {len(value)} characters, at most {MAX_REQUEST_ID_CHARS}")
+    if not value.isprintable():
+        raise BadInput(f"{what} must be printable characters")
+
+
+# -- gRPC --------------------------------------------------------------------------------------
+
+
+def check_sampling(s: epd_pb2.SamplingParams) -> None:
+    """The proto's sampling values (the HTTP path builds them checked; gRPC sends them)."""
+    if s.HasField("max_tokens") and s.max_tokens < 1:
+        raise BadInput(f"max_tokens must be >= 1, got {s.max_tokens}")
+    if s.HasField("temperature") and not (math.isfinite(s.temperature) and s.temperature >= 0):
+        raise BadInput(f"temperature must be a finite number >= 0, got {s.temperature}")
+    if s.HasField("top_p") and not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
+        raise BadInput(f"top_p must be a finite number in (0, 1], got {s.top_p}")
+    if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
+        raise BadInput(f"logprobs must be in 0..{MAX_LOGPROBS}, got {s.logprobs}")
+    check_stop(list(s.stop))
+
+
+def check_generate(request: epd_pb2.GenerateRequest, limits: Limits, vocab_size: int) -> None:
+    check_id(request.request_id, "request_id")
+    if len(request.media) > limits.max_media_items:
+        raise BadInput(
+            f"{len(request.media)} media items, more than {limits.max_media_items} "
+            "(proxy.max_media_items)"
+        )
+    for i, item in enumerate(request.media):
+        check_id(item.uuid, f"media[{i}].uuid")
+        for key, value in item.processor_kwargs.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise BadInput(f"media[{i}].processor_kwargs.{key} must be finite, got {value}")
+    check_sampling(request.sampling)
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        check_text_chars(len(request.text), limits)
+    elif kind == "chat":
+        chars = 0
+        for m in request.chat.messages:
+            for p in m.content:
+                chars += len(p.text)
+        check_text_chars(chars, limits)
+    elif kind == "token_ids":
+        ids = request.token_ids.ids
+        if len(ids) >= limits.context:
+            raise BadInput(f"the prompt has {len(ids)} tokens; the context is {limits.context}")
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise BadInput(f"token id {bad} is outside the vocabulary ({vocab_size})")
+
+
+class Malformed:
+    """What a tolerant deserializer returns for bytes that are not the expected message."""
+
+    def __init__(self, error: Exception):
+        self.message = f"the request bytes are not a valid message of this method: {error}"
+
+
+def tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """A request deserializer that hands the servicer a Malformed instead of failing the call
+    with gRPC's own INTERNAL "Exception deserializing request!"."""
+
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as e:  # protobuf's DecodeError, and whatever else bad bytes raise
+            return Malformed(e)
+
+    return parse
+
+
+def tolerant_add(add: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    """A generated add_XServicer_to_server whose methods get tolerant deserializers (each
+    servicer method starts with `refuse_malformed`)."""
+
+    class Capture:
+        def __init__(self):
+            self.name, self.handlers = "", {}
+
+        def add_generic_rpc_handlers(self, _handlers) -> None:
+            pass
+
+        def add_registered_method_handlers(self, name: str, handlers: dict) -> None:
+            self.name, self.handlers = name, handlers
+
+    def add_to(servicer, server) -> None:
+        capture = Capture()
+        add(servicer, capture)
+        handlers = {
+            method: h._replace(request_deserializer=tolerant(h.request_deserializer))
+            for method, h in capture.handlers.items()
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(capture.name, handlers),)
+        )
+        server.add_registered_method_handlers(capture.name, handlers)
+
+    return add_to
+
+
+async def refuse_malformed(request: Any, context) -> None:
+    """INVALID_ARGUMENT for a request whose bytes did not parse (no-op otherwise)."""
+    if isinstance(request, Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+
+# -- both, once the prompt is known ------------------------------------------------------------
+
+
+def check_prepared(prepared: PreparedRequest, limits: Limits) -> None:
+    """The expanded prompt against the context, before any encode is dispatched (the
+    per-item token limit is the builder's, before the prompt is expanded)."""
+    prompt = len(prepared.prompt_token_ids)
+    if prompt >= limits.context:
+        raise BadInput(
+            f"the prompt is {prompt} tokens (media placeholders included); the context is "
+            f"{limits.context} tokens"
+        )
+    s = prepared.sampling
+    if s.HasField("max_tokens") and prompt + s.max_tokens > limits.context:
+        raise BadInput(
+            f"the prompt ({prompt} tokens) plus max_tokens ({s.max_tokens}) exceeds the "
+            f"context of {limits.context} tokens"
+        )
