@@ -562,6 +562,9 @@ class _ShardedNotifier:
                 await listener.pubsub.ssubscribe(channel)
             if listener.task is None:
                 listener.task = asyncio.create_task(self._read(listener), name="ec-shard-reader")
+            if h not in self.by_hash:  # its waiters left while it was being subscribed
+                self._spawn(self._unsubscribe(listener, channel))
+                return True
             self.where[h] = node.name
             return True
         except (redis.RedisError, OSError) as e:
