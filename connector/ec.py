@@ -562,6 +562,9 @@ class _ShardedNotifier:
                 await listener.pubsub.ssubscribe(channel)
             if listener.task is None:
                 listener.task = asyncio.create_task(self._read(listener), name="ec-shard-reader")
+            if h not in self.by_hash:  # its waiters left while it was being subscribed
+                self._spawn(self._unsubscribe(listener, channel))
+                return True
             self.where[h] = node.name
             return True
         except (redis.RedisError, OSError) as e:
@@ -754,22 +757,33 @@ async def _exists_async(sync: ECConnector, client, hashes: Sequence[str]) -> lis
         for h in hashes:
             pipe.exists(sync.key(h))
         return [bool(n) for n in await pipe.execute()]
-    except redis.RedisError as e:
-        if not (sync.cluster and _is_topology_error(e)):
+    except (redis.RedisError, AttributeError) as e:
+        # NOTE: redis-py 8.1's asyncio cluster pipeline can write to a connection that a
+        # concurrent slot-map refresh is tearing down ('NoneType' object has no attribute
+        # 'writelines'): a lost connection, like the topology errors.
+        lost = isinstance(e, AttributeError) or _is_topology_error(e)
+        if not (sync.cluster and lost):
             raise sync._error(e, "has_many") from e
-        sync._error(e, "has_many")
-        logger.warning("has_many: the cluster did not answer as a whole (%s); key by key", e)
-    # Two passes: the first failures make the client refresh its slot map, which may fail
-    # commands to healthy masters that were under way meanwhile.
+        if isinstance(e, redis.RedisError):
+            sync._error(e, "has_many")
+        logger.warning("has_many: the cluster did not answer as a whole (%r); key by key", e)
+    # Up to three passes: the first failures make the client refresh its slot map, which may
+    # fail commands to healthy masters that were under way meanwhile.
     answers: list = [None] * len(hashes)
-    for _ in range(2):
+    for attempt in range(3):
         todo = [i for i, a in enumerate(answers) if a is None or isinstance(a, Exception)]
+        if not todo:
+            break
+        if attempt:
+            await asyncio.sleep(0.05 * attempt)  # let the slot-map refresh settle
         got = await asyncio.gather(
             *(client.exists(sync.key(hashes[i])) for i in todo), return_exceptions=True
         )
         for i, a in zip(todo, got, strict=True):
-            if isinstance(a, Exception) and not _is_topology_error(a):
+            if isinstance(a, redis.RedisError) and not _is_topology_error(a):
                 raise sync._error(a, "has_many") from a
+            if isinstance(a, Exception) and not isinstance(a, redis.RedisError | AttributeError):
+                raise a
             answers[i] = a
     return [a is not None and not isinstance(a, Exception) and bool(a) for a in answers]
 
