@@ -34,6 +34,9 @@ from proxy.workers import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
+# How long a finished request waits for its encodes' answers to complete its usage counts.
+USAGE_WAIT_SECONDS = 2.0
+
 
 class CallLost(Exception):
     """A call cancelled from outside this request (its channel closed): retryable."""
@@ -136,6 +139,10 @@ class Frontend:
         try:
             async for chunk in self._stream_lm(req, deadline, encode_watch):
                 if chunk.finish_reason != epd_pb2.FINISH_REASON_UNSPECIFIED:
+                    if not encode_watch.done():
+                        # The LM finished on the published embeddings; the encoders' own
+                        # answers, which this request's usage counts, arrive right behind.
+                        await asyncio.wait({encode_watch}, timeout=USAGE_WAIT_SECONDS)
                     chunk.usage.MergeFrom(usage)
                     chunk.timings.MergeFrom(timings)
                 yield chunk

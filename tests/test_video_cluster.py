@@ -20,8 +20,8 @@ from common.served_model import resolve_model
 from lm_worker.request import Request
 from models import MMFeature, SamplingParams
 from proto import epd_pb2
-from proxy.http import parse_messages
 from proxy.prepare import RequestBuilder
+from proxy.validate import Limits, parse_messages
 from tests.cluster_helpers import Cluster, image_bytes
 from tests.lm_helpers import make_engine, run
 from tests.model_helpers import make_video
@@ -62,7 +62,8 @@ def in_process(cluster: Cluster, tiny_checkpoint, chat: list[dict]) -> tuple[lis
     """(greedy tokens, prompt length, unpruned prompt length) of the request, run here."""
     served = resolve_model(load_config(cluster.config_path))
     assert served.family.video_pruning_rate == Q
-    parsed, media = parse_messages(chat)
+    # The proxy's own parsing, under its default limits (the request is well within them).
+    parsed, media = parse_messages(chat, Limits(32 << 20, 32, 16384, 8192))
     prepared = RequestBuilder(served).build(parsed, media, epd_pb2.SamplingParams())
     processor = served.family.processor()
     encoder = served.family.load_encoder(served.dtype, torch.device("cpu"))
