@@ -430,6 +430,9 @@ class LMConfig:
     cpu_linear: Literal["auto", "linear", "onednn"] = "auto"
     # How long a request may wait for its embeddings to appear in the cache.
     embedding_timeout_seconds: float = 120.0
+    # A step running longer than this counts as stuck: the worker says NOT_SERVING and ends its
+    # streams with UNAVAILABLE, so the proxy moves them to another worker.
+    step_timeout_seconds: float = 30.0
     # On SIGTERM: how long running requests may take to finish before the worker exits.
     drain_timeout_seconds: float = 60.0
     # Prometheus /metrics over HTTP on this port, on the listen host (0: off).
@@ -451,6 +454,7 @@ class LMConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         _check_positive("embedding_timeout_seconds", self.embedding_timeout_seconds)
+        _check_positive("step_timeout_seconds", self.step_timeout_seconds)
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
         _check_metrics_port(self.metrics_port, self.listen)
 

@@ -116,9 +116,11 @@ class RoleServer:
         await self.server.start()
         return port
 
-    async def set_serving(self) -> None:
+    async def set_serving(self, serving: bool = True) -> None:
+        """SERVING (or, with False, NOT_SERVING: the proxy stops routing here) for every
+        service name."""
         for name in self.health_names:
-            await self.health.set(name, SERVING)
+            await self.health.set(name, SERVING if serving else NOT_SERVING)
 
     @contextlib.asynccontextmanager
     async def work(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:

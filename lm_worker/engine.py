@@ -43,7 +43,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     # With "error": "request" when the rest of its batch ran (the request's own failure, not
-    # to be retried elsewhere), "worker" otherwise.
+    # to be retried elsewhere), "worker" otherwise; "stuck" from the servicer's watchdog.
     error_kind: str = "worker"
     # Set on the last output.
     num_prompt_tokens: int = 0
@@ -102,6 +102,9 @@ class LMEngine:
         self._inbox: list[Callable[[], None]] = []
         self._cv = threading.Condition()
         self._stopping = False
+        # When the step now running began (None between steps): the servicer's watchdog
+        # reads it to tell a stuck step from a slow one.
+        self.busy_since: float | None = None
         self._thread: threading.Thread | None = None
         self._rate = _Rate()
         self._steps = _Rate()  # requests per step (GetLoad's batch_size)
@@ -221,9 +224,13 @@ class LMEngine:
                 if self._stopping:
                     return
                 ops, self._inbox = self._inbox, []
-            for op in ops:
-                op()
-            idle = not self.run_step()
+            self.busy_since = time.monotonic()
+            try:
+                for op in ops:
+                    op()
+                idle = not self.run_step()
+            finally:
+                self.busy_since = None
 
     def run_step(self) -> bool:
         """One step, failing its requests (not the engine) if it raises. False: nothing ran.

@@ -175,6 +175,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         self.fetcher: EmbeddingFetcher | None = None
         self.connector: AsyncECConnector | None = None
         self.active: dict[str, _Active] = {}
+        self.stuck = False
+        self._watchdog: asyncio.Task | None = None
 
     async def load(self) -> None:
         """Model, KV cache, graphs and a warm-up step, then the connector."""
@@ -194,8 +196,40 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             fingerprint=served.fingerprint, **c.connector.connector_options(local_tier=True)
         )
         self.fetcher = EmbeddingFetcher(self.connector, self.engine, c.lm.embedding_timeout_seconds)
+        self._watchdog = asyncio.create_task(self.watch_steps(c.lm.step_timeout_seconds))
+
+    async def watch_steps(self, timeout: float, every: float = 1.0) -> None:
+        """A step stuck past `timeout` (the process still answers pings, so keepalive cannot
+        tell): NOT_SERVING, and every stream here ends with UNAVAILABLE so the proxy migrates
+        it; SERVING again once the engine moves on."""
+        while True:
+            await asyncio.sleep(every)
+            since = self.engine.busy_since
+            stuck = since is not None and time.monotonic() - since > timeout
+            if stuck and not self.stuck:
+                seconds = time.monotonic() - since
+                logger.error(
+                    "engine step stuck for %.0fs: NOT_SERVING, ending %d streams",
+                    seconds,
+                    len(self.active),
+                )
+                self.stuck = True
+                await self.role.set_serving(False)
+                for request_id, live in list(self.active.items()):
+                    error = f"the LM worker's step has been stuck for over {timeout:.0f}s"
+                    live.queue.put_nowait(
+                        RequestOutput(
+                            request_id, finish_reason="error", error=error, error_kind="stuck"
+                        )
+                    )
+            elif self.stuck and not stuck and not self.role.draining:
+                logger.info("engine moving again: SERVING")
+                self.stuck = False
+                await self.role.set_serving(True)
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         if self.connector is not None:
@@ -264,11 +298,10 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                         finished = True
                         # A request that failed alone is not retried on another worker, and
                         # is not held against this one (FAILED_PRECONDITION).
-                        code = (
-                            grpc.StatusCode.FAILED_PRECONDITION
-                            if out.error_kind == "request"
-                            else grpc.StatusCode.INTERNAL
-                        )
+                        code = {
+                            "request": grpc.StatusCode.FAILED_PRECONDITION,
+                            "stuck": grpc.StatusCode.UNAVAILABLE,  # migrated elsewhere
+                        }.get(out.error_kind, grpc.StatusCode.INTERNAL)
                         await context.abort(code, out.error or "engine error")
                     msg = to_response(out)
                     if out.finish_reason is not None:
