@@ -81,8 +81,8 @@ def up(tiny_checkpoint):
         u.proc.wait()
 
 
-def test_up_serves_and_ctrl_c_leaves_nothing_behind(up):
-    # No --model: the built-in model, written on first use (into the tests' private cache).
+def test_up_serves_and_ctrl_c_leaves_nothing_behind(up, tmp_path):
+    # No --model: the built-in model, shipped with the package.
     cluster = up("--encoders", "2", "--lm-workers", "1", builtin=True)
     cluster.wait_serving()
     out = "".join(cluster.stdout)
@@ -106,25 +106,28 @@ def test_up_serves_and_ctrl_c_leaves_nothing_behind(up):
         reply = epd_pb2_grpc.InferenceStub(channel).ListModels(epd_pb2.ListModelsRequest())
     assert reply.models[0].id == "epd-builtin"
 
-    # The client answers through the whole cluster: the proxy, the encoders, the LM worker.
+    # The README's quick start: a picture drawn by `epd scene`, asked about with `epd
+    # generate`, answered by the built-in model through the proxy, an encoder and the LM worker.
+    picture = tmp_path / "scene.png"
+    drawn = subprocess.run(
+        epd_command("scene", str(picture)), capture_output=True, text=True, timeout=60
+    )
+    assert drawn.returncode == 0, drawn.stderr
     result = subprocess.run(
         epd_command(
             "generate",
-            "Hello",
+            "What is in this picture?",
+            "--image",
+            str(picture),
             "--target",
             f"127.0.0.1:{cluster.grpc_port}",
-            "--max-tokens",
-            "4",
-            "--json",
         ),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    answer = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(answer["token_ids"]) >= 1
-    assert answer["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+    assert result.stdout.strip() == "a red circle and a blue square"
 
     cluster.proc.send_signal(signal.SIGINT)
     assert cluster.proc.wait(60) == 0
