@@ -54,6 +54,11 @@ from models.testing.make import (
 from models.tokenizer import Tokenizer, expand_placeholders
 
 ARCH = "qwen2_5_vl"
+# The auxiliary loss (training only; its head is not saved): per vision token, the colour and
+# kind of the shape there. A token belongs to a shape within AUX_REACH (a fraction of the
+# picture's side) of the shape's place.
+AUX_WEIGHT = 0.5
+AUX_REACH = 0.08
 TRAIN_SEED_BASE = 1_000_000  # training samples; the held-out set is seeds 0 .. 499
 
 # The built-in model's sizes: ~2M parameters. Pictures are scaled to at most 24 merged tokens
@@ -82,9 +87,9 @@ DEMO_SHAPE = replace(
 
 @dataclass(frozen=True)
 class TrainSettings:
-    steps: int = 1200
+    steps: int = 1000
     batch_size: int = 32
-    lr: float = 3e-3
+    lr: float = 2e-3
     warmup: int = 100
     weight_decay: float = 0.01
     seed: int = 0
@@ -194,6 +199,9 @@ class Example:
     num_prompt: int  # the answer (then <|im_end|>) follows
     media: list[ProcessedMedia]
     spans: list[MediaSpan]
+    # Per media item, per vision token: the colour and kind (1-based; 0: background) of the
+    # shape whose place the token covers (the auxiliary loss's targets).
+    token_labels: list[torch.Tensor] = field(default_factory=list)  # each [tokens, 2]
 
 
 class Encoder:
@@ -223,15 +231,46 @@ class Encoder:
     def example(self, sample: scenes.Sample) -> Example:
         example = self.prompt(sample)
         example.token_ids += [*self.tokenizer.encode(sample.answer), self.end]
+        for scene, m in zip(sample.scenes, example.media, strict=True):
+            example.token_labels.append(token_labels(scene, m.grid.grid_thw, 2))
         return example
 
 
+def token_labels(scene: scenes.Scene, grid_thw: tuple[int, int, int], merge: int) -> torch.Tensor:
+    """[tokens, 2]: (colour, kind) of the shape at each merged token, 0 for background. A
+    shape covers the tokens within AUX_REACH of its place (its jitter and some of its size)."""
+    _, h, w = grid_thw
+    rows, cols = h // merge, w // merge
+    labels = torch.zeros(rows, cols, 2, dtype=torch.long)
+    for shape in scene.shapes:
+        fx, fy = scenes.PLACES[shape.place]
+        r0, r1 = (max(0, min(rows - 1, int((fy + d) * rows))) for d in (-AUX_REACH, AUX_REACH))
+        c0, c1 = (max(0, min(cols - 1, int((fx + d) * cols))) for d in (-AUX_REACH, AUX_REACH))
+        labels[r0 : r1 + 1, c0 : c1 + 1, 0] = 1 + list(scenes.COLOURS).index(shape.colour)
+        labels[r0 : r1 + 1, c0 : c1 + 1, 1] = 1 + scenes.KINDS.index(shape.kind)
+    return labels.view(-1, 2)
+
+
 def forward_loss(
-    tower: VisionTower, lm: Qwen2LanguageModel, batch: Sequence[Example], merge: int
+    tower: VisionTower,
+    lm: Qwen2LanguageModel,
+    batch: Sequence[Example],
+    merge: int,
+    aux_head: torch.nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy of the answers' tokens, and how many answers were all right."""
+    """Mean cross-entropy of the answers' tokens (plus, with `aux_head`, the auxiliary loss),
+    and how many answers were all right."""
     media = [m for e in batch for m in e.media]
     embeds = tower(torch.cat([m.pixel_values for m in media]), [m.grid.grid_thw for m in media])
+    aux = torch.zeros(())
+    if aux_head is not None:
+        # The vision tokens alone say what shape of what colour each covers: a direct signal
+        # for the tower from the first step, while the LM still answers from priors.
+        labels = torch.cat([t for e in batch for t in e.token_labels])
+        colour, kind = aux_head(torch.cat(embeds)).split(
+            [len(scenes.COLOURS) + 1, len(scenes.KINDS) + 1], -1
+        )
+        aux = F.cross_entropy(colour, labels[:, 0]) + F.cross_entropy(kind, labels[:, 1])
     ids = torch.tensor([t for e in batch for t in e.token_ids])
     is_mm = torch.zeros(len(ids), dtype=torch.bool)
     positions, targets, rows, owners = [], [], [], []
@@ -252,7 +291,7 @@ def forward_loss(
     hidden = lm(None, torch.cat(positions, dim=1), inputs_embeds=x, attn_metadata=metadata)
     logits = lm.compute_logits(hidden[torch.tensor(rows)]).float()
     target = torch.tensor(targets)
-    loss = F.cross_entropy(logits, target)
+    loss = F.cross_entropy(logits, target) + AUX_WEIGHT * aux
     wrong = torch.zeros(len(batch)).index_add_(
         0, torch.tensor(owners), (logits.argmax(-1) != target).float()
     )
@@ -275,9 +314,10 @@ def train(
     torch.manual_seed(settings.seed)
     tower = VisionTower(arch.vision)
     lm = Qwen2LanguageModel(arch.text, PackedCausalAttention())
+    aux_head = torch.nn.Linear(arch.text.hidden_size, len(scenes.COLOURS) + len(scenes.KINDS) + 2)
     _init(tower)
     _init(lm)
-    params = [p for m in (tower, lm) for p in m.parameters()]
+    params = [p for m in (tower, lm, aux_head) for p in m.parameters()]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -309,7 +349,7 @@ def train(
 
     for step in range(settings.steps):
         batch = batch_of(step)
-        loss, right = _step(tower, lm, optimizer, schedule, params, batch, merge)
+        loss, right = _step(tower, lm, aux_head, optimizer, schedule, params, batch, merge)
         if progress:
             progress(step + 1, settings.steps, loss, right / len(batch))
         if save_every and (step + 1) % save_every == 0:
@@ -318,8 +358,8 @@ def train(
     return out
 
 
-def _step(tower, lm, optimizer, schedule, params, batch, merge) -> tuple[float, int]:
-    loss, right = forward_loss(tower, lm, batch, merge)
+def _step(tower, lm, aux_head, optimizer, schedule, params, batch, merge) -> tuple[float, int]:
+    loss, right = forward_loss(tower, lm, batch, merge, aux_head)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
