@@ -416,10 +416,24 @@ def evaluate(
     checkpoint: Path,
     seeds: Iterable[int] = range(500),
     dtype: torch.dtype = torch.bfloat16,
-    batch_size: int = 50,
 ) -> Accuracy:
     """Exact-match accuracy of greedy answers on scenes.sample(seed) for `seeds`, through the
     reference path (our model code, no cluster) in the served dtype."""
+    seeds = list(seeds)
+    samples = [scenes.sample(s) for s in seeds]
+    accuracy = Accuracy()
+    for seed, sample, got in zip(seeds, samples, answers(checkpoint, samples, dtype), strict=True):
+        accuracy.add(seed, sample, got)
+    return accuracy
+
+
+def answers(
+    checkpoint: Path,
+    samples: Sequence[scenes.Sample],
+    dtype: torch.dtype = torch.bfloat16,
+    batch_size: int = 50,
+) -> list[str]:
+    """The reference path's greedy answers to `samples` (our model code, no cluster)."""
     # NOTE: imported here: the reference path is needed only when evaluating.
     from models.sampling import SamplingParams
     from models.testing.reference import PreparedPrompt, ReferenceModel
@@ -427,19 +441,15 @@ def evaluate(
     model = ReferenceModel(checkpoint, dtype)
     encoder = Encoder(checkpoint)
     params = SamplingParams(temperature=0.0, max_tokens=24)
-    accuracy = Accuracy()
-    seeds = list(seeds)
-    for i in range(0, len(seeds), batch_size):
-        chunk = seeds[i : i + batch_size]
-        samples = [scenes.sample(s) for s in chunk]
+    out = []
+    for i in range(0, len(samples), batch_size):
         prompts = []
-        for sample in samples:
+        for sample in samples[i : i + batch_size]:
             e = encoder.prompt(sample)
             prompts.append(PreparedPrompt(e.token_ids, e.media, e.spans))
-        outputs = model.generate_many(prompts, params)
-        for seed, sample, ids in zip(chunk, samples, outputs, strict=True):
-            accuracy.add(seed, sample, model.tokenizer.decode(ids, skip_special_tokens=True))
-    return accuracy
+        for ids in model.generate_many(prompts, params):
+            out.append(model.tokenizer.decode(ids, skip_special_tokens=True))
+    return out
 
 
 def progress_bar(stream: Any = sys.stderr) -> Callable[[int, int, float, float], None]:
