@@ -18,12 +18,13 @@ import torch
 
 from common.config import ClusterConfig, cache_dir
 from models import FamilyOptions, ModelFamily, load_family
+from models.demo import BUILTIN_DIR
 
-# The built-in model `epd up` serves when no checkpoint is given: a random `small` Qwen2.5-VL
-# checkpoint, written once under the cache directory.
-BUILTIN_ARCH = "qwen2_5_vl"
-BUILTIN_SIZE = "small"
-BUILTIN_SEED = 0
+# The benchmarks' model when none is given: a random `small` Qwen2.5-VL checkpoint (~100M LM
+# parameters, the size the speed figures are about), written once under the cache directory.
+BENCH_ARCH = "qwen2_5_vl"
+BENCH_SIZE = "small"
+BENCH_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,9 @@ class ServedModel:
 
 
 def resolve_model(config: ClusterConfig) -> ServedModel:
-    """The checkpoint directory (the built-in model, written on first use, when none is set),
-    its family, its compute dtype and its embedding fingerprint."""
-    path = Path(config.model.path) if config.model.path else ensure_builtin_model()
+    """The checkpoint directory (the built-in model when none is set), its family, its compute
+    dtype and its embedding fingerprint."""
+    path = Path(config.model.path) if config.model.path else builtin_model()
     e = config.encoder
     options = FamilyOptions(
         video_pruning_rate=e.video_pruning_rate,
@@ -51,16 +52,29 @@ def resolve_model(config: ClusterConfig) -> ServedModel:
     return ServedModel(path, config.model.served_name, dtype, family.fingerprint(dtype), family)
 
 
-def builtin_model_dir(root: str | Path | None = None) -> Path:
-    """Where the built-in model lives under the cache directory (it may not exist yet)."""
+def builtin_model() -> Path:
+    """The built-in model: a tiny Qwen2.5-VL trained on the scene world (models/demo/), shipped
+    with the package, so `epd up` answers questions about pictures of shapes out of the box."""
+    if not (BUILTIN_DIR / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"the built-in model is missing from {BUILTIN_DIR} (an install without package "
+            "data?); reinstall the package, rebuild it with `epd train-demo`, or give "
+            "model.path / --model"
+        )
+    return BUILTIN_DIR
+
+
+def bench_model_dir(root: str | Path | None = None) -> Path:
+    """Where the benchmarks' random model lives under the cache directory (it may not exist
+    yet)."""
     from models.testing.make import FORMAT_VERSION
 
-    name = f"{BUILTIN_ARCH}-{BUILTIN_SIZE}-seed{BUILTIN_SEED}-v{FORMAT_VERSION}"
+    name = f"{BENCH_ARCH}-{BENCH_SIZE}-seed{BENCH_SEED}-v{FORMAT_VERSION}"
     return Path(root or cache_dir()) / "models" / name
 
 
-def ensure_builtin_model(root: str | Path | None = None) -> Path:
-    """The built-in model's directory, written first if missing.
+def ensure_bench_model(root: str | Path | None = None) -> Path:
+    """The benchmarks' random model's directory, written first if missing.
 
     Written into a temporary sibling directory and renamed into place, so a reader never sees
     a half-written checkpoint and processes racing to write it do not corrupt it (the first
@@ -70,13 +84,13 @@ def ensure_builtin_model(root: str | Path | None = None) -> Path:
     # random-checkpoint writer.
     from models.testing.make import make_checkpoint
 
-    final = builtin_model_dir(root)
+    final = bench_model_dir(root)
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        make_checkpoint(tmp, BUILTIN_ARCH, BUILTIN_SIZE, BUILTIN_SEED)
+        make_checkpoint(tmp, BENCH_ARCH, BENCH_SIZE, BENCH_SEED)
         try:
             os.rename(tmp, final)
         except OSError:

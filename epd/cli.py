@@ -6,6 +6,9 @@ epd generate PROMPT         a client: streams the answer from a running cluster
 epd config                  print the effective configuration, or the EPD_ variables
 epd health ADDRESS          ask a role's grpc.health.v1: exit 0 when SERVING (container checks)
 epd make-model OUT          write a random checkpoint (Hugging Face layout) for tests / benchmarks
+epd train-demo OUT          train the built-in model (a tiny Qwen2.5-VL that sees shapes)
+epd scene OUT.png           draw a picture to ask the built-in model about
+epd scene-eval              the built-in model's accuracy on held-out scenes, through a cluster
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from common.config import (
     config_to_dict,
     load_config,
 )
+from epd import demo
 
 ROLE_MAINS: dict[str, str] = {
     "proxy": "proxy.server",
@@ -288,6 +292,8 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     mk.add_argument("--size", choices=["tiny", "small"], default="tiny")
     mk.add_argument("--seed", type=int, default=0)
     mk.set_defaults(func=cmd_make_model)
+
+    demo.add_parsers(sub)
     return parser
 
 

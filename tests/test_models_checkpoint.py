@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import common.served_model
-from common.served_model import ensure_builtin_model
+from common.served_model import ensure_bench_model
 from epd.cli import main as epd_main
 from models import CheckpointError, load_family
 from models.checkpoint import load_tensors
@@ -247,11 +247,11 @@ def test_cli_make_model(tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
 
 
-def test_builtin_model_written_once_atomically(tmp_path, monkeypatch):
-    monkeypatch.setattr(common.served_model, "BUILTIN_SIZE", "tiny")
+def test_bench_model_written_once_atomically(tmp_path, monkeypatch):
+    monkeypatch.setattr(common.served_model, "BENCH_SIZE", "tiny")
     results: list[Path] = []
     threads = [
-        threading.Thread(target=lambda: results.append(ensure_builtin_model(tmp_path)))
+        threading.Thread(target=lambda: results.append(ensure_bench_model(tmp_path)))
         for _ in range(3)
     ]
     for t in threads:
@@ -262,6 +262,6 @@ def test_builtin_model_written_once_atomically(tmp_path, monkeypatch):
     path = results[0]
     assert {p.name for p in path.iterdir()} == FILES
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary leftovers
-    assert ensure_builtin_model(tmp_path) == path
+    assert ensure_bench_model(tmp_path) == path
     monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path / "env"))
-    assert ensure_builtin_model().parent.parent == tmp_path / "env"
+    assert ensure_bench_model().parent.parent == tmp_path / "env"

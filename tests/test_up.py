@@ -84,7 +84,7 @@ def up(tiny_checkpoint):
 
 
 def test_up_serves_and_ctrl_c_leaves_nothing_behind(up, tmp_path):
-    # No --model: the built-in model, written on first use (into the tests' private cache).
+    # No --model: the built-in model, shipped with the package.
     cluster = up("--encoders", "2", "--lm-workers", "1", builtin=True)
     cluster.wait_serving()
     out = "".join(cluster.stdout)
@@ -108,25 +108,28 @@ def test_up_serves_and_ctrl_c_leaves_nothing_behind(up, tmp_path):
         reply = epd_pb2_grpc.InferenceStub(channel).ListModels(epd_pb2.ListModelsRequest())
     assert reply.models[0].id == "epd-builtin"
 
-    # The client answers through the whole cluster: the proxy, the encoders, the LM worker.
+    # The README's quick start: a picture drawn by `epd scene`, asked about with `epd
+    # generate`, answered by the built-in model through the proxy, an encoder and the LM worker.
+    picture = tmp_path / "scene.png"
+    drawn = subprocess.run(
+        epd_command("scene", str(picture)), capture_output=True, text=True, timeout=60
+    )
+    assert drawn.returncode == 0, drawn.stderr
     result = subprocess.run(
         epd_command(
             "generate",
-            "Hello",
+            "How many shapes are there?",
+            "--image",
+            str(picture),
             "--target",
             f"127.0.0.1:{cluster.grpc_port}",
-            "--max-tokens",
-            "4",
-            "--json",
         ),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    answer = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(answer["token_ids"]) >= 1
-    assert answer["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+    assert result.stdout.strip() == "two"
 
     # A video file from the command line (a PyAV-made MP4).
     clip = tmp_path / "clip.mp4"

@@ -28,7 +28,7 @@ from PIL import Image
 from prometheus_client import CollectorRegistry
 
 from common.config import ClusterConfig, ConnectorConfig, EncoderConfig, ModelConfig
-from common.served_model import ensure_builtin_model
+from common.served_model import ensure_bench_model
 from connector import AsyncECConnector
 from connector.embedded import redis_or_embedded
 from encoder_worker.encoder import EncodeItem, MMEncoder
@@ -153,8 +153,8 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         checkpoint, model = Path(args.model), args.model
     else:
-        print("using the built-in small model (written on first use)", flush=True)
-        checkpoint, model = ensure_builtin_model(), "built-in small (qwen2_5_vl, random)"
+        print("using the random small model (written on first use)", flush=True)
+        checkpoint, model = ensure_bench_model(), "random small (qwen2_5_vl)"
     with redis_or_embedded(args.redis_url) as (url, server):
         summary = asyncio.run(bench(args, checkpoint, model, url))
     summary["server"] = server

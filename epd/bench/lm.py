@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from common.config import LMConfig
-from common.served_model import ensure_builtin_model
+from common.served_model import ensure_bench_model
 from lm_worker.cpu_kernels import weight_bytes
 from lm_worker.engine import LMEngine
 from lm_worker.loader import build_engine
@@ -138,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         model_dir = Path(args.model)
     else:
-        print("using the built-in small model (written on first use)", flush=True)
-        model_dir = ensure_builtin_model()
+        print("using the random small model (written on first use)", flush=True)
+        model_dir = ensure_bench_model()
     device = (
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )

@@ -40,7 +40,7 @@ from PIL import Image
 
 from common.config import LMConfig, load_config
 from common.device import resolve_device
-from common.served_model import ServedModel, ensure_builtin_model
+from common.served_model import ServedModel, ensure_bench_model
 from common.server import GRPC_OPTIONS
 from encoder_worker.tower import Tower
 from epd.launcher import LocalCluster
@@ -465,8 +465,8 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         model_dir = Path(args.model)
     else:
-        print("using the built-in model", flush=True)
-        model_dir = ensure_builtin_model()
+        print("using the random small benchmark model (written on first use)", flush=True)
+        model_dir = ensure_bench_model()
     # NOTE: a new synthetic set per rate and reuse ratio (new images), so that only the chosen
     # share of a run's requests finds its images cached; a JSONL set is replayed as it is.
     reuses = [0.0] if args.dataset else [float(r) for r in args.reuse.split(",")]
@@ -533,7 +533,7 @@ def _ratios(rows: list[dict]) -> list[dict]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serving under load: TTFT / ITL / goodput per topology")
-    p.add_argument("--model", help="checkpoint directory (default: the built-in model)")
+    p.add_argument("--model", help="checkpoint directory (default: the random small model)")
     p.add_argument("--topology", default="e+pd,aggregated", help="e+pd, aggregated (both)")
     p.add_argument("--target", help="an already running proxy (host:port) for e+pd")
     p.add_argument("--request-rate", default="1,4", help="requests/s, comma-separated; inf")

@@ -174,7 +174,7 @@ def _soak(cluster: LocalCluster, args) -> dict:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("soak", help="mixed load for N minutes: latency and RSS per role")
-    p.add_argument("--model", help="checkpoint directory (default: the built-in small model)")
+    p.add_argument("--model", help="checkpoint directory (default: the built-in model)")
     p.add_argument("--minutes", type=float, default=10.0, help="how long (default 10)")
     p.add_argument("--interval-seconds", type=float, default=60.0, help="one row per interval")
     p.add_argument("--concurrency", type=int, default=4, help="clients in a loop")

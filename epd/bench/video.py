@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from common.config import LMConfig
-from common.served_model import ensure_builtin_model
+from common.served_model import ensure_bench_model
 from lm_worker.loader import build_engine
 from lm_worker.request import Request
 from models import FamilyOptions, MediaInput, MMFeature, SamplingParams, load_family
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint, model = Path(args.model), args.model
     else:
         print("using the built-in small model (written on first use)", flush=True)
-        checkpoint, model = ensure_builtin_model(), "built-in small (qwen2_5_vl, random)"
+        checkpoint, model = ensure_bench_model(), "random small (qwen2_5_vl)"
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     device = args.device
     clip = make_clip(args.video_seconds, args.video_fps, args.video_size)

@@ -182,6 +182,11 @@ class VisionTower(nn.Module):
         pixel_values: torch.Tensor,  # [sum of t*h*w, C * T * P * P], items back to back
         grid_thw: GridTHW,  # [num_items, 3]
     ) -> list[torch.Tensor]:  # one [t*h*w / merge**2, out_hidden] per item
+        """What the encoder serves: `forward` without autograd."""
+        return self(pixel_values, grid_thw)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> list[torch.Tensor]:
+        """As `embed_multimodal`, differentiable (training runs this)."""
         grids = [
             tuple(int(v) for v in g)
             for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)

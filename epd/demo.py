@@ -1,0 +1,142 @@
+"""The built-in model's commands: `epd train-demo` (train it), `epd scene` (draw a picture to
+ask it about) and `epd scene-eval` (its accuracy on held-out scenes through a running cluster)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+# NOTE: torch, grpc and Pillow are imported by the commands, not here: `epd health` (a
+# container's liveness check) builds the same parser and must start fast.
+HELD_OUT = 500  # the held-out set: scenes.sample(0 .. 499)
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    train = sub.add_parser(
+        "train-demo", help="train the built-in model (a tiny Qwen2.5-VL on pictures of shapes)"
+    )
+    train.add_argument("out", help="output directory (created; must be empty)")
+    train.add_argument("--steps", type=int, help="optimizer steps (default: the shipped model's)")
+    train.add_argument("--batch-size", type=int, help="samples per step (default 32)")
+    train.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1: on a shared machine "
+        "one thread is several times faster than two)",
+    )  # fmt: skip
+    train.add_argument(
+        "--eval", type=int, default=HELD_OUT, metavar="N",
+        help="then measure exact-match accuracy on the first N held-out scenes (0: skip)",
+    )  # fmt: skip
+    train.set_defaults(func=cmd_train_demo)
+
+    scene = sub.add_parser("scene", help="draw a picture of the scene world (a PNG)")
+    scene.add_argument("out", help="PNG file to write")
+    scene.add_argument(
+        "--shapes", default="red circle, blue square",
+        help="'COLOUR KIND [PLACE], ...' (1-3 shapes; default 'red circle, blue square')",
+    )  # fmt: skip
+    scene.add_argument("--seed", type=int, default=0, help="background and jitter (default 0)")
+    scene.add_argument("--size", default="224x160", help="WIDTHxHEIGHT (default 224x160)")
+    scene.set_defaults(func=cmd_scene)
+
+    ev = sub.add_parser(
+        "scene-eval", help="accuracy of a running cluster (the built-in model) on held-out scenes"
+    )
+    ev.add_argument("--target", default="127.0.0.1:50051", help="proxy gRPC address")
+    ev.add_argument("--count", type=int, default=HELD_OUT, help="scenes (default 500)")
+    ev.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    ev.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    ev.set_defaults(func=cmd_scene_eval)
+
+
+def cmd_train_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from models.demo import train
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        print(f"epd train-demo: {out} is not empty", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    settings = train.TrainSettings()
+    if args.steps:
+        settings = dataclasses.replace(settings, steps=args.steps)
+    if args.batch_size:
+        settings = dataclasses.replace(settings, batch_size=args.batch_size)
+    print(
+        f"training {settings.steps} steps of {settings.batch_size} samples "
+        f"on {torch.get_num_threads()} thread(s)",
+        flush=True,
+    )
+    start = time.monotonic()
+    train.train(out, settings, train.progress_bar())
+    minutes = (time.monotonic() - start) / 60
+    print(f"wrote {out} in {minutes:.1f} min", flush=True)
+    if args.eval:
+        accuracy = train.evaluate(out, range(args.eval))
+        print(json.dumps(accuracy.summary() | {"train_minutes": round(minutes, 1)}))
+    return 0
+
+
+def cmd_scene(args: argparse.Namespace) -> int:
+    from models.demo import scenes
+
+    try:
+        scene = scenes.Scene.parse(args.shapes)
+        width, height = (int(v) for v in args.size.lower().split("x"))
+    except ValueError as e:
+        print(f"epd scene: {e}", file=sys.stderr)
+        return 2
+    Path(args.out).write_bytes(scenes.png(scenes.render(scene, args.seed, (width, height))))
+    print(f"wrote {args.out}: {scene.describe()}")
+    return 0
+
+
+def ask(stub: Any, sample: Any, timeout: float) -> str:
+    """The cluster's greedy answer (an InferenceStub's) to one scenes.Sample's question."""
+    from proto import epd_pb2
+
+    request = epd_pb2.GenerateRequest(
+        request_id=f"scene-{uuid.uuid4().hex[:12]}",
+        media=[epd_pb2.MediaItem(image=data) for data in sample.images],
+        sampling=epd_pb2.SamplingParams(temperature=0.0, max_tokens=24),
+    )
+    parts = [epd_pb2.ContentPart(media_index=i) for i in range(len(sample.images))]
+    parts.append(epd_pb2.ContentPart(text=sample.question))
+    request.chat.messages.append(epd_pb2.ChatMessage(role="user", content=parts))
+    return "".join(r.text for r in stub.Generate(request, timeout=timeout))
+
+
+def cmd_scene_eval(args: argparse.Namespace) -> int:
+    import grpc
+
+    from common.server import GRPC_OPTIONS
+    from models.demo import scenes
+    from models.demo.train import Accuracy
+    from proto import epd_pb2_grpc
+
+    samples = [(seed, scenes.sample(seed)) for seed in range(args.count)]
+    accuracy = Accuracy()
+    start = time.monotonic()
+    with grpc.insecure_channel(args.target, options=GRPC_OPTIONS) as channel:
+        stub = epd_pb2_grpc.InferenceStub(channel)
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            try:
+                answers = list(pool.map(lambda s: ask(stub, s[1], args.timeout), samples))
+            except grpc.RpcError as e:
+                print(f"epd scene-eval: {e.code().name}: {e.details()}", file=sys.stderr)
+                return 1
+    for (seed, sample), answer in zip(samples, answers, strict=True):
+        accuracy.add(seed, sample, answer)
+    for seed, question, want, got in accuracy.mistakes[:10]:
+        print(f"seed {seed}: {question!r}: want {want!r}, got {got!r}", file=sys.stderr)
+    seconds = time.monotonic() - start
+    print(json.dumps(accuracy.summary() | {"seconds": round(seconds, 1)}))
+    return 0

@@ -1,0 +1,10 @@
+"""The built-in model and the world it was trained on.
+
+scenes.py    pictures of coloured shapes, and questions about them with exact answers
+train.py     train a tiny Qwen2.5-VL on them with our own model code; measure accuracy
+builtin/     the trained checkpoint `epd up` serves by default (package data)
+"""
+
+from pathlib import Path
+
+BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"

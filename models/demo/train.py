@@ -1,0 +1,478 @@
+"""Train the built-in model: a tiny Qwen2.5-VL that answers questions about the scene world
+(models/demo/scenes.py), with our own model code, on the CPU.
+
+    out = train(Path("demo-model"), TrainSettings())   # config, tokenizer, weights (bf16)
+    evaluate(out, range(500))                           # exact-match accuracy, held-out
+
+The checkpoint is a Hugging Face layout directory like the random ones (models/testing/make.py
+writes the same config files): a byte-level BPE trained on the world's questions and answers,
+the family's special tokens and chat template, `Qwen2_5_VLForConditionalGeneration` weights in
+bf16. Training runs the serving model's own modules: the vision tower's differentiable
+`forward` and the LM with `PackedCausalAttention`, a backend that attends causally within each
+whole sequence of a packed batch (no KV cache). The loss is the answer's tokens (and the
+closing <|im_end|>) given the chat prompt as the proxy renders it.
+
+Deterministic: training samples are scenes.sample(TRAIN_SEED_BASE + i), the held-out set is
+scenes.sample(0 .. 499), and weights start from torch.manual_seed(settings.seed); the same
+settings and thread count give the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer as _HFTokenizer
+
+from models.demo import scenes
+from models.media import ProcessedMedia
+from models.qwen2_vl.config import load_arch_config
+from models.qwen2_vl.language_model import Qwen2LanguageModel
+from models.qwen2_vl.processing import MediaProcessor
+from models.qwen2_vl.rope import MediaSpan, mrope_positions
+from models.qwen2_vl.vision import VisionTower
+from models.testing.make import (
+    SHAPES,
+    SPECIAL_TOKENS,
+    SPLIT_PATTERN,
+    Shape,
+    _config,
+    _generation_config,
+    _processor_configs,
+    _tokenizer_config,
+)
+from models.tokenizer import Tokenizer, expand_placeholders
+
+ARCH = "qwen2_5_vl"
+# The auxiliary loss (training only; its head is not saved): per vision token, the colour and
+# kind of the shape there. A token belongs to a shape within AUX_REACH (a fraction of the
+# picture's side) of the shape's place.
+AUX_WEIGHT = 0.5
+AUX_REACH = 0.08
+TRAIN_SEED_BASE = 1_000_000  # training samples; the held-out set is seeds 0 .. 499
+
+# The built-in model's sizes: ~2M parameters. Pictures are scaled to at most 24 merged tokens
+# (e.g. 112x168 pixels), so a question is ~40-80 tokens.
+DEMO_SHAPE = replace(
+    SHAPES["tiny"],
+    vocab_size=0,  # set from the trained tokenizer
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    mrope_section=(4, 6, 6),
+    tie_word_embeddings=False,
+    vision_depth=2,
+    vision_hidden=64,
+    vision_heads=2,
+    vision_intermediate=128,
+    window_size=112,
+    fullatt_block_indexes=(1,),
+    max_pixels=28 * 28 * 16,
+    video_max_pixels=28 * 28 * 8,
+    min_pixels=56 * 56,
+)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    seed: int = 0
+    shape: Shape = field(default=DEMO_SHAPE)
+
+
+# -- the checkpoint's files --------------------------------------------------------------------
+
+
+def train_tokenizer() -> _HFTokenizer:
+    """A byte-level BPE on the world's questions and answers and the chat template's words,
+    then the family's special tokens."""
+    tok = _HFTokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512 - len(SPECIAL_TOKENS),
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    chat = ["system\nYou are a helpful assistant.\n", "user\n", "assistant\n"]
+    tok.train_from_iterator((scenes.answer_corpus() + chat) * 4, trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+def write_config(out: Path, shape: Shape) -> Shape:
+    """Everything but the weights; returns the shape with its vocabulary size."""
+    tokenizer = train_tokenizer()
+    # Rows past the tokenizer's are never produced; a multiple of 64 keeps matrices aligned.
+    shape = replace(shape, vocab_size=-(-tokenizer.get_vocab_size() // 64) * 64)
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    out.mkdir(parents=True, exist_ok=True)
+    config = _config(ARCH, shape, ids) | {"dtype": "bfloat16"}
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", _generation_config(ids))
+    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(ids))
+    image_proc, video_proc = _processor_configs(ARCH, shape)
+    _write_json(out / "preprocessor_config.json", image_proc)
+    _write_json(out / "video_preprocessor_config.json", video_proc)
+    return shape
+
+
+def save_weights(out: Path, tower: VisionTower, lm: Qwen2LanguageModel) -> None:
+    """The released checkpoints' names (visual.X, model.X, lm_head.weight), bf16."""
+    tensors = {f"visual.{k}": v for k, v in tower.state_dict().items()}
+    for name, value in lm.state_dict().items():
+        tensors[name if name == "lm_head.weight" else f"model.{name}"] = value
+    tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sorted(tensors.items())}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+# -- the training model ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PackedMetadata:
+    seq_lens: tuple[int, ...]  # tokens per sequence, packed back to back
+
+
+class PackedCausalAttention:
+    """The LM's AttentionBackend for training: each sequence of the packed step attends
+    causally to itself, whole (no cache). Sequences are padded to the longest at the end,
+    where the causal mask keeps the padding from any real query."""
+
+    def __call__(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,  # [T, heads, head_dim]
+        k: torch.Tensor,  # [T, kv_heads, head_dim]
+        v: torch.Tensor,
+        attn_metadata: PackedMetadata,
+    ) -> torch.Tensor:
+        lens = list(attn_metadata.seq_lens)
+        groups = q.shape[1] // k.shape[1]
+
+        def padded(x: torch.Tensor) -> torch.Tensor:  # -> [B, heads, L, head_dim]
+            seqs = torch.nn.utils.rnn.pad_sequence(list(x.split(lens)), batch_first=True)
+            return seqs.transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            padded(q),
+            padded(k.repeat_interleave(groups, dim=1)),
+            padded(v.repeat_interleave(groups, dim=1)),
+            is_causal=True,
+        ).transpose(1, 2)  # [B, L, heads, head_dim]
+        return torch.cat([out[i, :n] for i, n in enumerate(lens)])
+
+
+@dataclass
+class Example:
+    """One sample as the model sees it: the expanded prompt and answer ids, its media."""
+
+    token_ids: list[int]
+    num_prompt: int  # the answer (then <|im_end|>) follows
+    media: list[ProcessedMedia]
+    spans: list[MediaSpan]
+    # Per media item, per vision token: the colour and kind (1-based; 0: background) of the
+    # shape whose place the token covers (the auxiliary loss's targets).
+    token_labels: list[torch.Tensor] = field(default_factory=list)  # each [tokens, 2]
+
+
+class Encoder:
+    """Samples -> the model's inputs, exactly as the proxy prepares a chat request."""
+
+    def __init__(self, checkpoint: Path):
+        self.arch = load_arch_config(checkpoint)
+        self.tokenizer = Tokenizer.from_dir(checkpoint)
+        self.processor = MediaProcessor.from_checkpoint(checkpoint)
+        self.end = self.tokenizer.required_id("<|im_end|>")
+
+    def prompt(self, sample: scenes.Sample) -> Example:
+        content: list[dict[str, Any]] = [{"type": "image"} for _ in sample.images]
+        content.append({"type": "text", "text": sample.question})
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": content}])
+        media = [self.processor.process_image(data) for data in sample.images]
+        image_token = self.arch.tokens.image_token_id
+        ids, runs = expand_placeholders(
+            self.tokenizer.encode(text), [image_token], [m.grid.num_tokens for m in media]
+        )
+        spans = [
+            MediaSpan(offset, m.grid.grid_thw, "image")
+            for (offset, _), m in zip(runs, media, strict=True)
+        ]
+        return Example(ids, len(ids), media, spans)
+
+    def example(self, sample: scenes.Sample) -> Example:
+        example = self.prompt(sample)
+        example.token_ids += [*self.tokenizer.encode(sample.answer), self.end]
+        for scene, m in zip(sample.scenes, example.media, strict=True):
+            example.token_labels.append(token_labels(scene, m.grid.grid_thw, 2))
+        return example
+
+
+def token_labels(scene: scenes.Scene, grid_thw: tuple[int, int, int], merge: int) -> torch.Tensor:
+    """[tokens, 2]: (colour, kind) of the shape at each merged token, 0 for background. A
+    shape covers the tokens within AUX_REACH of its place (its jitter and some of its size)."""
+    _, h, w = grid_thw
+    rows, cols = h // merge, w // merge
+    labels = torch.zeros(rows, cols, 2, dtype=torch.long)
+    for shape in scene.shapes:
+        fx, fy = scenes.PLACES[shape.place]
+        r0, r1 = (max(0, min(rows - 1, int((fy + d) * rows))) for d in (-AUX_REACH, AUX_REACH))
+        c0, c1 = (max(0, min(cols - 1, int((fx + d) * cols))) for d in (-AUX_REACH, AUX_REACH))
+        labels[r0 : r1 + 1, c0 : c1 + 1, 0] = 1 + list(scenes.COLOURS).index(shape.colour)
+        labels[r0 : r1 + 1, c0 : c1 + 1, 1] = 1 + scenes.KINDS.index(shape.kind)
+    return labels.view(-1, 2)
+
+
+def forward_loss(
+    tower: VisionTower,
+    lm: Qwen2LanguageModel,
+    batch: Sequence[Example],
+    merge: int,
+    aux_head: torch.nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy of the answers' tokens (plus, with `aux_head`, the auxiliary loss),
+    and how many answers were all right."""
+    media = [m for e in batch for m in e.media]
+    embeds = tower(torch.cat([m.pixel_values for m in media]), [m.grid.grid_thw for m in media])
+    aux = torch.zeros(())
+    if aux_head is not None:
+        # The vision tokens alone say what shape of what colour each covers: a direct signal
+        # for the tower from the first step, while the LM still answers from priors.
+        labels = torch.cat([t for e in batch for t in e.token_labels])
+        colour, kind = aux_head(torch.cat(embeds)).split(
+            [len(scenes.COLOURS) + 1, len(scenes.KINDS) + 1], -1
+        )
+        aux = F.cross_entropy(colour, labels[:, 0]) + F.cross_entropy(kind, labels[:, 1])
+    ids = torch.tensor([t for e in batch for t in e.token_ids])
+    is_mm = torch.zeros(len(ids), dtype=torch.bool)
+    positions, targets, rows, owners = [], [], [], []
+    start = 0
+    for i, e in enumerate(batch):
+        for span in e.spans:
+            n = span.grid_thw[0] * span.grid_thw[1] * span.grid_thw[2] // merge**2
+            is_mm[start + span.offset : start + span.offset + n] = True
+        positions.append(mrope_positions(len(e.token_ids), e.spans, merge)[0])
+        # Row j predicts token j + 1: the rows before each answer token.
+        for j in range(e.num_prompt, len(e.token_ids)):
+            rows.append(start + j - 1)
+            targets.append(e.token_ids[j])
+            owners.append(i)
+        start += len(e.token_ids)
+    x = lm.embed_input_ids(ids, embeds, is_mm)
+    metadata = PackedMetadata(tuple(len(e.token_ids) for e in batch))
+    hidden = lm(None, torch.cat(positions, dim=1), inputs_embeds=x, attn_metadata=metadata)
+    logits = lm.compute_logits(hidden[torch.tensor(rows)]).float()
+    target = torch.tensor(targets)
+    loss = F.cross_entropy(logits, target) + AUX_WEIGHT * aux
+    wrong = torch.zeros(len(batch)).index_add_(
+        0, torch.tensor(owners), (logits.argmax(-1) != target).float()
+    )
+    return loss, (wrong == 0).sum()
+
+
+def train(
+    out: Path,
+    settings: TrainSettings | None = None,
+    progress: Callable[[int, int, float, float], None] | None = None,
+    save_every: int = 0,
+) -> Path:
+    """Write a trained checkpoint into `out` (created) and return it. `progress(step, steps,
+    loss, batch accuracy)` is called after every step; the weights are also saved every
+    `save_every` steps (0: only at the end)."""
+    settings = settings or TrainSettings()
+    out = Path(out)
+    write_config(out, settings.shape)
+    arch = load_arch_config(out)
+    torch.manual_seed(settings.seed)
+    tower = VisionTower(arch.vision)
+    lm = Qwen2LanguageModel(arch.text, PackedCausalAttention())
+    aux_head = torch.nn.Linear(arch.text.hidden_size, len(scenes.COLOURS) + len(scenes.KINDS) + 2)
+    _init(tower)
+    _init(lm)
+    params = [p for m in (tower, lm, aux_head) for p in m.parameters()]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": settings.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=settings.lr,
+        betas=(0.9, 0.98),
+    )
+
+    def lr_at(step: int) -> float:
+        if step < settings.warmup:
+            return (step + 1) / settings.warmup
+        t = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    encoder = Encoder(out)
+    merge = arch.vision.spatial_merge_size
+    tower.train()
+    lm.train()
+
+    def batch_of(step: int) -> list[Example]:
+        first = TRAIN_SEED_BASE + step * settings.batch_size
+        return [
+            encoder.example(scenes.sample(s)) for s in range(first, first + settings.batch_size)
+        ]
+
+    for step in range(settings.steps):
+        batch = batch_of(step)
+        loss, right = _step(tower, lm, aux_head, optimizer, schedule, params, batch, merge)
+        if progress:
+            progress(step + 1, settings.steps, loss, right / len(batch))
+        if save_every and (step + 1) % save_every == 0:
+            save_weights(out, tower, lm)
+    save_weights(out, tower, lm)
+    return out
+
+
+def _step(tower, lm, aux_head, optimizer, schedule, params, batch, merge) -> tuple[float, int]:
+    loss, right = forward_loss(tower, lm, batch, merge, aux_head)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    schedule.step()
+    return loss.item(), int(right)
+
+
+def _init(module: torch.nn.Module) -> None:
+    """Linear and embedding weights N(0, 0.02), biases zero, norms one."""
+    for name, p in module.named_parameters():
+        if name.endswith("bias"):
+            torch.nn.init.zeros_(p)
+        elif p.dim() >= 2:
+            torch.nn.init.normal_(p, std=0.02)
+
+
+# -- evaluation --------------------------------------------------------------------------------
+
+
+@dataclass
+class Accuracy:
+    right: int = 0
+    total: int = 0
+    by_kind: dict[str, list[int]] = field(default_factory=dict)  # kind -> [right, total]
+    mistakes: list[tuple[int, str, str, str]] = field(default_factory=list)  # seed, q, want, got
+    answers: dict[int, str] = field(default_factory=dict)  # seed -> the answer given
+
+    @property
+    def value(self) -> float:
+        return self.right / max(1, self.total)
+
+    def add(self, seed: int, sample: scenes.Sample, got: str) -> None:
+        ok = got.strip() == sample.answer
+        self.answers[seed] = got
+        self.right += ok
+        self.total += 1
+        counts = self.by_kind.setdefault(sample.kind, [0, 0])
+        counts[0] += ok
+        counts[1] += 1
+        if not ok:
+            self.mistakes.append((seed, sample.question, sample.answer, got))
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "accuracy": round(self.value, 4),
+            "right": self.right,
+            "total": self.total,
+            "by_kind": {k: f"{r}/{n}" for k, (r, n) in sorted(self.by_kind.items())},
+        }
+
+
+def evaluate(
+    checkpoint: Path,
+    seeds: Iterable[int] = range(500),
+    dtype: torch.dtype = torch.bfloat16,
+) -> Accuracy:
+    """Exact-match accuracy of greedy answers on scenes.sample(seed) for `seeds`, through the
+    reference path (our model code, no cluster) in the served dtype."""
+    seeds = list(seeds)
+    samples = [scenes.sample(s) for s in seeds]
+    accuracy = Accuracy()
+    for seed, sample, got in zip(seeds, samples, answers(checkpoint, samples, dtype), strict=True):
+        accuracy.add(seed, sample, got)
+    return accuracy
+
+
+def answers(
+    checkpoint: Path,
+    samples: Sequence[scenes.Sample],
+    dtype: torch.dtype = torch.bfloat16,
+    batch_size: int = 50,
+) -> list[str]:
+    """The reference path's greedy answers to `samples` (our model code, no cluster)."""
+    # NOTE: imported here: the reference path is needed only when evaluating.
+    from models.sampling import SamplingParams
+    from models.testing.reference import PreparedPrompt, ReferenceModel
+
+    model = ReferenceModel(checkpoint, dtype)
+    encoder = Encoder(checkpoint)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    out = []
+    for i in range(0, len(samples), batch_size):
+        prompts = []
+        for sample in samples[i : i + batch_size]:
+            e = encoder.prompt(sample)
+            prompts.append(PreparedPrompt(e.token_ids, e.media, e.spans))
+        for ids in model.generate_many(prompts, params):
+            out.append(model.tokenizer.decode(ids, skip_special_tokens=True))
+    return out
+
+
+def progress_bar(stream: Any = sys.stderr) -> Callable[[int, int, float, float], None]:
+    """A one-line progress bar: step, loss, batch accuracy (smoothed), rate and time left."""
+    start = time.monotonic()
+    smooth = {"loss": None, "acc": None}
+
+    def show(step: int, steps: int, loss: float, acc: float) -> None:
+        for key, value in (("loss", loss), ("acc", acc)):
+            old = smooth[key]
+            smooth[key] = value if old is None else 0.95 * old + 0.05 * value
+        elapsed = time.monotonic() - start
+        rate = step / elapsed
+        width = 30
+        filled = width * step // steps
+        bar = "#" * filled + "." * (width - filled)
+        left = (steps - step) / rate if rate else 0
+        stream.write(
+            f"\r[{bar}] {step}/{steps} loss {smooth['loss']:.3f} acc {smooth['acc']:.2f} "
+            f"{rate:.2f} steps/s, {elapsed / 60:.1f} min, {left / 60:.1f} min left "
+        )
+        if step == steps:
+            stream.write("\n")
+        stream.flush()
+
+    return show

@@ -1,0 +1,218 @@
+"""The scene world, the training path and the shipped built-in model (no cluster: see
+tests/test_semantic.py for the same model through real processes)."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from common.served_model import builtin_model
+from epd.cli import main as epd_main
+from models import load_family
+from models.demo import scenes
+from models.demo.train import (
+    DEMO_SHAPE,
+    Encoder,
+    PackedCausalAttention,
+    PackedMetadata,
+    TrainSettings,
+    evaluate,
+    forward_loss,
+    train,
+)
+from models.qwen2_vl.config import load_arch_config
+from models.qwen2_vl.language_model import Qwen2LanguageModel
+from models.qwen2_vl.vision import VisionTower
+from models.sampling import SamplingParams
+from models.testing.attention import causal_attention
+from models.testing.reference import PreparedPrompt
+
+# The shipped model's exact-match accuracy on held-out scenes, rounded down (README: the figure
+# over all 500 and the command that measures it).
+ACCURACY_FLOOR = 0.2
+
+# -- the scene world ---------------------------------------------------------------------------
+
+
+def test_samples_are_deterministic_and_answers_follow_the_scene():
+    for seed in range(60):
+        a, b = scenes.sample(seed), scenes.sample(seed)
+        assert a == b
+        scene = a.scenes[0]
+        assert 1 <= len(scene.shapes) <= 3
+        for attr in ("kind", "colour", "place"):
+            assert len({getattr(s, attr) for s in scene.shapes}) == len(scene.shapes)
+        if a.kind == "count":
+            assert a.answer == scenes.NUMBERS[len(scene.shapes)]
+        if a.kind == "describe":
+            assert a.answer == scene.describe()
+        if a.kind == "same" and a.answer in ("yes", "no"):
+            assert (a.answer == "yes") == (a.scenes[0] == a.scenes[1])
+    kinds = {scenes.sample(seed).kind for seed in range(200)}
+    assert kinds == set(scenes.QUESTION_WEIGHTS)
+
+
+def test_render_sizes_backgrounds_and_descriptions():
+    scene = scenes.Scene.parse("blue square, red circle top, orange star")
+    # Reading order: left, top, center, bottom, right.
+    assert scene.describe() == "a blue square, a red circle and an orange star"
+    assert [s.place for s in scene.shapes] == ["left", "top", "right"]
+    sizes = set()
+    for seed in range(12):
+        image = Image.open(io.BytesIO(scenes.png(scenes.render(scene, seed))))
+        sizes.add(image.size)
+        assert image.mode == "RGB"
+    assert len(sizes) > 6  # varied resolutions and aspect ratios
+    fixed = scenes.render(scene, 3, (200, 100))
+    assert fixed.size == (200, 100)
+    # The red circle sits in the top middle: its centre pixel is red-dominant.
+    r, g, b = fixed.getpixel((100, 20))
+    assert r > 150 and g < 100 and b < 100
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "red circle, blue square, green star, yellow cross", "red circle, red square",
+     "pink circle", "red circle middle", "red"],
+)  # fmt: skip
+def test_scene_parse_refuses_what_the_world_cannot_show(text):
+    with pytest.raises(ValueError):
+        scenes.Scene.parse(text)
+
+
+def test_altered_scenes_differ_in_one_thing():
+    import random
+
+    rng = random.Random(5)
+    for _ in range(100):
+        scene = scenes.random_scene(rng)
+        other = scenes.altered(scene, rng)
+        assert other != scene
+        assert abs(len(other.shapes) - len(scene.shapes)) <= 1
+
+
+def test_cli_scene_writes_the_picture_it_names(tmp_path, capsys):
+    out = tmp_path / "scene.png"
+    assert epd_main(["scene", str(out), "--shapes", "red circle, blue square"]) == 0
+    assert "a red circle and a blue square" in capsys.readouterr().out
+    assert Image.open(out).size == (224, 160)
+    assert epd_main(["scene", str(out), "--shapes", "red blob"]) == 2
+    assert "unknown shape" in capsys.readouterr().err
+
+
+# -- the training path -------------------------------------------------------------------------
+
+
+def test_packed_causal_attention_equals_per_sequence_causal_attention():
+    gen = torch.Generator().manual_seed(0)
+    lens = [5, 9, 1, 7]
+    T = sum(lens)
+    q = torch.randn(T, 4, 8, generator=gen)
+    k = torch.randn(T, 2, 8, generator=gen)
+    v = torch.randn(T, 2, 8, generator=gen)
+    got = PackedCausalAttention()(0, q, k, v, PackedMetadata(tuple(lens)))
+    want, start = [], 0
+    for n in lens:
+        s = slice(start, start + n)
+        want.append(causal_attention(q[s], k[s], v[s]))
+        start += n
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+
+
+def test_tower_forward_is_the_served_numerics_with_gradients(tiny_checkpoint):
+    arch = load_arch_config(tiny_checkpoint)
+    tower = VisionTower.from_checkpoint(tiny_checkpoint, arch.vision)
+    processor = load_family(tiny_checkpoint).processor()
+    items = [processor.process_image(scenes.sample(s).images[0]) for s in (1, 2)]
+    pixels = torch.cat([m.pixel_values for m in items])
+    grids = [m.grid.grid_thw for m in items]
+    served = tower.embed_multimodal(pixels, grids)
+    trained = tower(pixels, grids)
+    for a, b in zip(served, trained, strict=True):
+        assert torch.equal(a, b)
+    sum(t.sum() for t in trained).backward()
+    assert tower.patch_embed.proj.weight.grad is not None
+
+
+def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
+    small = replace(
+        DEMO_SHAPE, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+        num_kv_heads=1, mrope_section=(2, 3, 3), vision_depth=1, vision_hidden=32,
+        vision_heads=1, vision_intermediate=32, fullatt_block_indexes=(0,),
+    )  # fmt: skip
+    losses = []
+    out = train(
+        tmp_path / "m",
+        TrainSettings(steps=6, batch_size=4, warmup=1, lr=1e-2, shape=small),
+        progress=lambda step, steps, loss, acc: losses.append(loss),
+    )
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    family = load_family(out)
+    assert family.architecture == "Qwen2_5_VLForConditionalGeneration"
+    assert family.dtype == torch.bfloat16
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118
+    # The prompt the trainer builds is the chat template's, placeholders expanded.
+    example = Encoder(out).example(scenes.sample(0))
+    tokenizer = family.tokenizer()
+    text = tokenizer.decode(example.token_ids)
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>")
+    assert text.endswith(scenes.sample(0).answer + "<|im_end|>")
+
+
+# -- the shipped model -------------------------------------------------------------------------
+
+
+def test_shipped_model_is_small_bf16_and_loads_as_the_default():
+    path = builtin_model()
+    total = sum(p.stat().st_size for p in path.iterdir())
+    assert total <= 20 * 1024 * 1024
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert config["dtype"] == "bfloat16"
+
+
+def test_shipped_model_answers_held_out_scenes():
+    """The reference path (our model code, no cluster), bf16 as served: 100 of the 500
+    held-out scenes (the README has the full figure)."""
+    accuracy = evaluate(builtin_model(), range(100), torch.bfloat16)
+    assert accuracy.value >= ACCURACY_FLOOR, accuracy.summary()
+
+
+def test_forward_loss_of_the_shipped_model_is_low():
+    path = builtin_model()
+    arch = load_arch_config(path)
+    tower = VisionTower.from_checkpoint(path, arch.vision)
+    lm = Qwen2LanguageModel.from_checkpoint(path, arch.text, PackedCausalAttention())
+    encoder = Encoder(path)
+    batch = [encoder.example(scenes.sample(s)) for s in range(8)]
+    with torch.no_grad():
+        loss, _ = forward_loss(tower, lm, batch, arch.vision.spatial_merge_size)
+    assert float(loss) < 1.5  # an untrained model: ln(vocab) = 6.2
+
+
+def test_transformers_loads_the_shipped_model_and_answers_alike():
+    """The shipped checkpoint is a Hugging Face one: transformers' Qwen2.5-VL gives the same
+    greedy answers as our code (fp32 both)."""
+    from models.testing import ReferenceModel
+    from tests.model_helpers import hf_inputs, hf_model
+
+    path = builtin_model()
+    ours, theirs = ReferenceModel(path), hf_model(path)
+    encoder = Encoder(path)
+    for seed in range(6):
+        sample = scenes.sample(seed)
+        e = encoder.prompt(sample)
+        prepared = PreparedPrompt(e.token_ids, e.media, e.spans)
+        inputs = hf_inputs(ours, prepared)
+        with torch.no_grad():
+            out = theirs.generate(**inputs, max_new_tokens=24, do_sample=False)
+        want = out[0, len(e.token_ids) :].tolist()
+        got = ours.generate_many([prepared], SamplingParams(temperature=0.0, max_tokens=24))[0]
+        assert got == want
