@@ -18,7 +18,9 @@ from proto import epd_pb2
 from tests.cluster_helpers import Cluster, image_bytes
 
 STREAMS = 12
-MAX_TOKENS = 96
+# Long enough that a disturbance lands mid-stream even on a quiet machine (a tiny model
+# decodes a token in a few milliseconds).
+MAX_TOKENS = 400
 DEADLINE_S = 90
 
 
@@ -82,14 +84,25 @@ def request(i: int, images: list[bytes] = ()) -> epd_pb2.GenerateRequest:
 
 
 def wait_healthy(cluster: Cluster, timeout: float = 60) -> None:
-    """Until the proxy sees every worker SERVING (a role's own SERVING may come first)."""
+    """Until the proxy sees every worker SERVING (a role's own SERVING may come first) and
+    idle: the loads it last polled show nothing running, so a new load spreads over the LM
+    workers instead of avoiding one whose report is still the last run's."""
     deadline = time.monotonic() + timeout
     while True:
         status, health = cluster.http("/health")
-        if status == 200 and health["status"] == "healthy":
+        if status == 200 and health["status"] == "healthy" and lms_idle(cluster):
             return
         assert time.monotonic() < deadline, health
         time.sleep(0.1)
+
+
+def lms_idle(cluster: Cluster) -> bool:
+    _, state = cluster.http("/dashboard/state")
+    loads = [w["load"] for w in state["workers"] if w["role"] == "lm"]
+    return all(
+        load is not None and load["running_requests"] == 0 and load["waiting_requests"] == 0
+        for load in loads
+    )
 
 
 def run_load(cluster: Cluster, name: str, requests, disturb=None, when_tokens: int = 0):
