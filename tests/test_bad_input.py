@@ -705,11 +705,15 @@ def test_the_cluster_still_serves_after_all_of_it(cluster):
         assert role.child.proc.poll() is None, role.name
     tokens, last = cluster.generate("Still there?", [PNG], max_tokens=6)
     assert len(tokens) == 6 and last.finish_reason == epd_pb2.FINISH_REASON_LENGTH
-    status, reply, _ = post(cluster, with_(max_tokens=3))
+    status, reply, _ = post(cluster, with_(max_tokens=3, temperature=0, ignore_eos=True))
     assert status == 200 and reply["usage"]["completion_tokens"] == 3
     results: list = []
     threads = [
-        threading.Thread(target=lambda: results.append(post(cluster, with_(max_tokens=3))[0]))
+        threading.Thread(
+            target=lambda: results.append(
+                post(cluster, with_(max_tokens=3, temperature=0, ignore_eos=True))[0]
+            )
+        )
         for _ in range(4)
     ]
     for t in threads:

@@ -207,7 +207,13 @@ def secure(tmp_path_factory, tiny_checkpoint):
 
 
 def test_http_no_key_wrong_key_right_key(secure):
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    # Greedy and past EOS: exactly two tokens whatever the random model says.
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     status, body, headers = secure.https("/v1/chat/completions", chat)
     assert status == 401 and "API key is required" in body["error"]["message"]
     assert headers["WWW-Authenticate"].startswith("Bearer")
