@@ -183,22 +183,14 @@ class HttpApi:
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        if not self.serving:
-            e = HttpError(503, "the proxy is not serving (starting or draining)",
-                          "ServiceUnavailableError")  # fmt: skip
-            return web.json_response(e.body(), status=e.status)
-        status = 200
-        async with self.role.track():
-            try:
-                return await self._chat(request)
-            except Exception as e:
-                error = error_of(e)
-                status = error.status
-                return web.json_response(error.body(), status=error.status)
-            finally:
-                self.proxy.metrics.requests.labels("http", str(status)).inc()
+        return await self._serve(self._chat, request)
 
     async def transcriptions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(self._transcribe, request)
+
+    async def _serve(self, handler, request: web.Request) -> web.StreamResponse:
+        """What every generating route shares: 503 unless serving, counted for the drain,
+        errors in the OpenAI shape, one request metric by status."""
         if not self.serving:
             e = HttpError(503, "the proxy is not serving (starting or draining)",
                           "ServiceUnavailableError")  # fmt: skip
@@ -206,7 +198,7 @@ class HttpApi:
         status = 200
         async with self.role.track():
             try:
-                return await self._transcribe(request)
+                return await handler(request)
             except Exception as e:
                 error = error_of(e)
                 status = error.status

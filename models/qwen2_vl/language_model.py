@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.attention import AttentionBackend
 from models.checkpoint import CheckpointError, load_tensors, strip_prefixes
-from models.layers import RMSNorm, apply_rotary
+from models.layers import GatedMLP, RMSNorm, apply_rotary
 from models.qwen2_vl.config import TextConfig
 from models.qwen2_vl.rope import MRotaryEmbedding
 
@@ -55,24 +54,13 @@ class Qwen2Attention(nn.Module):
         return self.o_proj(out.reshape(T, -1))
 
 
-class Qwen2MLP(nn.Module):
-    def __init__(self, config: TextConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Qwen2DecoderLayer(nn.Module):
     def __init__(self, config: TextConfig, layer_idx: int, backend: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Qwen2Attention(config, layer_idx, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Qwen2MLP(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: Any

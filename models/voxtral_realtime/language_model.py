@@ -22,7 +22,7 @@ from torch import nn
 
 from models.attention import AttentionBackend
 from models.checkpoint import CheckpointError, load_tensors, strip_prefixes
-from models.layers import RMSNorm, apply_rotary, inverse_frequencies
+from models.layers import GatedMLP, RMSNorm, apply_rotary, inverse_frequencies
 from models.voxtral_realtime.config import TextConfig
 
 # transformers writes `language_model.model.*` (and `lm_head.weight` when untied).
@@ -76,17 +76,6 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(T, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, c: TextConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, c: TextConfig, layer_idx: int, backend: AttentionBackend):
         super().__init__()
@@ -94,7 +83,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(c, layer_idx, backend)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.ada_rms_norm = AdaNorm(c.hidden_size)
-        self.mlp = MLP(c)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
         self.ada_scale: torch.Tensor | None = None  # [hidden]: 1 + ada(t), set at load
 
     def forward(self, x: torch.Tensor, cos, sin, attn_metadata: Any) -> torch.Tensor:
