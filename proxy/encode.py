@@ -211,7 +211,7 @@ class EncodeDispatcher:
                 for i in items
             ]
         )
-        worker.outstanding += tokens
+        worker.sent(tokens)
         started = time.perf_counter()
         try:
             reply = await worker.stub.Encode(
@@ -242,7 +242,7 @@ class EncodeDispatcher:
             await self._call(other, items, deadline, attempt + 1)
             return
         finally:
-            worker.outstanding -= tokens
+            worker.finished(tokens)
         self.metrics.encode_dispatch.observe(time.perf_counter() - started)
         self.pool.succeeded(worker)
         for item, result in zip(items, reply.results, strict=True):

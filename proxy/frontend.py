@@ -231,7 +231,7 @@ class Frontend:
                 yield Chunk(finish_reason=finish, usage=usage, timings=epd_pb2.StageTimings())
                 return
             tokens = len(msg.prompt_token_ids)
-            worker.outstanding += tokens
+            worker.sent(tokens)
             running.call = (lm_id, worker)
             call = worker.stub.Generate(msg, timeout=max(deadline - time.monotonic(), 0.01))
             try:
@@ -273,7 +273,7 @@ class Frontend:
                     self.metrics.retries.labels("lm").inc()
                 await asyncio.sleep(backoff(attempt))
             finally:
-                worker.outstanding -= tokens
+                worker.finished(tokens, generated=len(sent) - carried)
                 running.call = None
                 call.cancel()  # no-op when finished; aborts the LM request otherwise
 

@@ -14,7 +14,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,7 @@ class Worker:
     status: str = "UNKNOWN"  # SERVING | NOT_SERVING | UNREACHABLE | UNKNOWN
     load: Any = None  # the last EncoderLoad / LMLoad
     outstanding: int = 0  # tokens the proxy sent and has not seen finish
+    finished_since_load: int = 0  # tokens the proxy saw finish since that report arrived
     last_error: str = ""
     since: float = field(default_factory=time.time)
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -83,15 +84,38 @@ class Worker:
     def usable(self) -> bool:
         return self.up and self.breaker.allows()
 
+    def sent(self, tokens: int) -> None:
+        self.outstanding += tokens
+
+    def finished(self, tokens: int, generated: int = 0) -> None:
+        """Work sent here is done (or abandoned): `tokens` as counted by `sent`, plus the tokens
+        it generated, which the worker's reports count as its own while it runs."""
+        self.outstanding -= tokens
+        self.finished_since_load += tokens + generated
+
+    def set_load(self, load: Any) -> None:
+        self.load = load
+        self.finished_since_load = 0
+
     def queued_tokens(self) -> int:
-        """What the worker reported waiting plus what the proxy sent since (its own count)."""
+        """The worker's last report, less what the proxy saw finish since, or the proxy's own
+        count of work in flight there, whichever is larger.
+
+        The report is up to one poll interval old: without taking off what finished since, a
+        burst that arrives just after a busy report would avoid a worker that is already idle.
+        """
         if self.load is None:
             return self.outstanding
         if self.role == "encoder":
             reported = self.load.queued_tokens
         else:
             reported = self.load.running_tokens + self.load.waiting_tokens
-        return max(reported, self.outstanding)
+        return max(reported - self.finished_since_load, self.outstanding)
+
+
+def least_loaded(workers: Iterable[Worker]) -> Worker | None:
+    usable = [w for w in workers if w.usable()]
+    return min(usable, key=lambda w: (w.queued_tokens(), w.address), default=None)
 
 
 class WorkerPool:
@@ -176,8 +200,7 @@ class WorkerPool:
 
     def pick(self, exclude: set[str] = frozenset()) -> Worker | None:
         """The usable worker with the least queued work (none: None)."""
-        usable = [w for w in self.workers.values() if w.address not in exclude and w.usable()]
-        return min(usable, key=lambda w: (w.queued_tokens(), w.address), default=None)
+        return least_loaded(w for w in self.workers.values() if w.address not in exclude)
 
     def failed(self, worker: Worker, error: str) -> None:
         worker.breaker.failure()
@@ -236,7 +259,7 @@ class WorkerPool:
     async def _load_of(self, worker: Worker) -> None:
         # A failed poll changes nothing: the health watch and call failures decide availability.
         with contextlib.suppress(grpc.aio.AioRpcError):
-            worker.load = await worker.stub.GetLoad(epd_pb2.GetLoadRequest(), timeout=1.0)
+            worker.set_load(await worker.stub.GetLoad(epd_pb2.GetLoadRequest(), timeout=1.0))
 
     async def _discover(self) -> None:
         while True:
