@@ -27,7 +27,7 @@ from lm_worker.request import Request, Status
 from lm_worker.sampler import SampledToken, Sampler
 from lm_worker.scheduler import ScheduledBatch, Scheduler
 from models import EmbeddingMismatch, IncrementalDetokenizer, LoadedEmbedding, Tokenizer
-from models.sampling import new_generator
+from models.sampling import Draws
 
 logger = logging.getLogger(__name__)
 
@@ -396,9 +396,14 @@ class LMEngine:
         embeddings: Mapping[str, LoadedEmbedding | torch.Tensor],
     ) -> None:
         detokenizer = self.tokenizer.detokenizer() if self.tokenizer is not None else None
-        self.live[request.request_id] = _Live(request, sink, detokenizer)
+        live = self.live[request.request_id] = _Live(request, sink, detokenizer)
+        if request.resumed_output_tokens and detokenizer is not None:
+            # Resumed: the text of the output so far that the client has not received (held
+            # back while it could begin a stop string) is still held here.
+            done = detokenizer.push(request.prompt_token_ids[-request.resumed_output_tokens :])
+            live.held = done[request.resumed_text_chars :]
         if request.sampling.seed is not None or not request.sampling.greedy:
-            request.generator = new_generator(request.sampling.seed)
+            request.draws = Draws(request.sampling.seed, start=request.resumed_output_tokens)
         try:
             missing = self.runner.add_request(request, embeddings)
         except EmbeddingMismatch as e:

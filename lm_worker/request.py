@@ -7,10 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from models.media import MMFeature
-from models.sampling import SamplingParams
+from models.sampling import Draws, SamplingParams
 
 
 class Status(enum.Enum):
@@ -39,7 +37,11 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # The family's per-request position state (ModelState.rope_state; None: plain positions).
     rope: Any = None
-    generator: torch.Generator | None = None
+    draws: Draws | None = None  # set when the request samples (or has a seed)
+    # A resumed request: its last `resumed_output_tokens` prompt tokens are output it gave
+    # before (elsewhere), of which the client has received `resumed_text_chars` characters.
+    resumed_output_tokens: int = 0
+    resumed_text_chars: int = 0
     first_scheduled: float | None = None
     first_token: float | None = None
     num_preemptions: int = 0

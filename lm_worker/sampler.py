@@ -1,8 +1,8 @@
 """Sampling: greedy, temperature, top-k, top-p; per-request seeds; optional log-probabilities.
 
-Each request owns a torch.Generator (seeded from SamplingParams.seed, else at random) that is
-drawn from exactly once per sampled token, so a seeded request gives the same tokens whatever
-it is batched with, and after a preemption.
+Each request owns its Draws (models.sampling): output token i draws from a generator seeded by
+(seed, i), so a seeded request gives the same tokens whatever it is batched with, after a
+preemption, and when it resumes on another worker.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from lm_worker.request import Request
-from models.sampling import new_generator, sample_row
+from models.sampling import Draws, sample_row
 
 
 @dataclass
@@ -51,6 +51,6 @@ class Sampler:
         return out
 
     def _sample_one(self, row: torch.Tensor, request: Request) -> int:
-        if request.generator is None:
-            request.generator = new_generator(request.sampling.seed)
-        return sample_row(row, request.sampling, request.generator)
+        if request.draws is None:
+            request.draws = Draws(request.sampling.seed, start=request.resumed_output_tokens)
+        return sample_row(row, request.sampling, request.draws.next())

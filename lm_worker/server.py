@@ -86,11 +86,18 @@ def to_request(msg: epd_pb2.LMGenerateRequest) -> Request:
         )
     except ValueError as e:
         raise BadRequest(str(e)) from None
+    if msg.resumed_output_tokens > len(ids):
+        raise BadRequest(
+            f"resumed_output_tokens {msg.resumed_output_tokens} is more than the "
+            f"{len(ids)}-token prompt"
+        )
     return Request(
         request_id=msg.request_id or f"lm-{uuid.uuid4().hex[:16]}",
         prompt_token_ids=ids,
         sampling=sampling,
         mm_features=features,
+        resumed_output_tokens=msg.resumed_output_tokens,
+        resumed_text_chars=msg.resumed_text_chars,
     )
 
 

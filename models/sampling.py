@@ -4,6 +4,7 @@ the reference path, so both draw from the same probabilities."""
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 import torch
@@ -52,14 +53,33 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE
 
 
-def new_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator seeded with `seed`, or at random."""
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
+class Draws:
+    """The randomness of one request's sampled tokens: output token i draws from a CPU generator
+    seeded by (seed, i). A token's draw depends on its index alone, not on how many tokens this
+    process drew before it, so a request resumed elsewhere after n tokens (`start=n`) goes on
+    exactly as it would have in one piece. Without a seed, the seed is random."""
+
+    def __init__(self, seed: int | None, start: int = 0):
+        self.seed = seed if seed is not None else random.getrandbits(64)
+        self.index = start
+        self._generator = torch.Generator()
+
+    def next(self) -> torch.Generator:
+        """The generator for the next token's draw."""
+        self._generator.manual_seed(_mix(self.seed, self.index))
+        self.index += 1
+        return self._generator
+
+
+def _mix(seed: int, index: int) -> int:
+    """A 63-bit seed from (seed, index): splitmix64's finaliser over their combination."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+_MASK64 = (1 << 64) - 1
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

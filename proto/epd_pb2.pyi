@@ -456,18 +456,22 @@ class MMFeature(_message.Message):
     def __init__(self, mm_hash: _Optional[str] = ..., modality: _Optional[_Union[Modality, str]] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., is_embed: _Optional[_Iterable[bool]] = ..., grid: _Optional[_Union[GridTHW, _Mapping]] = ..., second_per_grid_t: _Optional[float] = ...) -> None: ...
 
 class LMGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "mm_features", "sampling", "realtime_session_id")
+    __slots__ = ("request_id", "prompt_token_ids", "mm_features", "sampling", "realtime_session_id", "resumed_output_tokens", "resumed_text_chars")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MM_FEATURES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REALTIME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     mm_features: _containers.RepeatedCompositeFieldContainer[MMFeature]
     sampling: SamplingParams
     realtime_session_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Iterable[_Union[MMFeature, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., realtime_session_id: _Optional[str] = ...) -> None: ...
+    resumed_output_tokens: int
+    resumed_text_chars: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Iterable[_Union[MMFeature, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., realtime_session_id: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ..., resumed_text_chars: _Optional[int] = ...) -> None: ...
 
 class LMGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "timings", "missing_mm_hashes")

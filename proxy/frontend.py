@@ -174,13 +174,17 @@ class Frontend:
         await asyncio.gather(*(asyncio.shield(f) for f in encodes))
         timings.encode_seconds = time.perf_counter() - started
 
-    def _lm_message(self, req: PreparedRequest, lm_id: str, sent: list[int]):
+    def _lm_message(self, req: PreparedRequest, lm_id: str, sent: list[int], sent_chars: int):
         """The LM request: the prompt, and after a migration the tokens already sent appended
-        to it (their KV is recomputed on the new worker; max_tokens counts what is left)."""
+        to it (their KV is recomputed on the new worker; max_tokens counts what is left), with
+        how much of their text the client has: the new worker continues the sampling draws and
+        holds back the rest of that text for its stop-string watch, as the old one did."""
         msg = req.lm_request()
         msg.request_id = lm_id
         if sent:
             msg.prompt_token_ids.extend(sent)
+            msg.resumed_output_tokens = len(sent)
+            msg.resumed_text_chars = sent_chars
             if req.sampling.HasField("max_tokens"):
                 msg.sampling.max_tokens = req.sampling.max_tokens - len(sent)
         return msg
@@ -191,9 +195,9 @@ class Frontend:
         """The LM's chunks. A call that fails for the worker's sake (it died, froze, was cut
         off) before any output is retried on another worker; after some output the request
         migrates: another worker continues from the prompt plus the tokens already sent, and
-        the client's stream goes on with no token repeated or skipped. (Greedy requests
-        continue token-identically; a seeded one continues with a fresh draw; a stop string
-        spanning the cut is not seen.)"""
+        the client's stream goes on with no token repeated or skipped: greedy and seeded
+        requests continue token-identically, and a stop string spanning the cut still stops
+        it."""
         running = _Running()
         self.running.setdefault(req.request_id, []).append(running)
         try:
@@ -207,6 +211,7 @@ class Frontend:
 
     async def _attempts(self, req, deadline, encode_watch, running) -> AsyncIterator[Chunk]:
         sent: list[int] = []  # output token ids the client has been sent
+        sent_chars = 0  # characters of text the client has been sent
         tried: set[str] = set()
         for attempt in range(self.retries):
             if running.aborted:  # aborted while it migrated
@@ -221,7 +226,7 @@ class Frontend:
                 raise Unavailable("no LM worker is available")
             tried.add(worker.address)
             lm_id = f"{req.request_id}@{uuid.uuid4().hex[:12]}"
-            msg = self._lm_message(req, lm_id, sent)
+            msg = self._lm_message(req, lm_id, sent, sent_chars)
             carried = len(sent)  # output tokens this call takes as prompt
             if msg.sampling.HasField("max_tokens") and msg.sampling.max_tokens < 1:
                 usage = epd_pb2.Usage(
@@ -237,6 +242,7 @@ class Frontend:
             try:
                 async for chunk in self._relay(call, req, deadline, encode_watch):
                     sent.extend(chunk.token_ids)
+                    sent_chars += len(chunk.text)
                     if carried and chunk.usage is not None:  # counted as the client sees it
                         chunk.usage.prompt_tokens -= carried
                         chunk.usage.completion_tokens += carried

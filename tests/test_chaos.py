@@ -72,10 +72,14 @@ class Report:
 
 
 def request(i: int, images: list[bytes] = ()) -> epd_pb2.GenerateRequest:
+    """Even i greedy, odd i sampled with seed i: both continue token-identically on migration."""
+    sampling = epd_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    if i % 2:
+        sampling.temperature, sampling.top_k, sampling.seed = 0.9, 40, i
     msg = epd_pb2.GenerateRequest(
         request_id=f"chaos-{i}",
         media=[epd_pb2.MediaItem(image=b) for b in images],
-        sampling=epd_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+        sampling=sampling,
     )
     parts = [epd_pb2.ContentPart(media_index=j) for j in range(len(images))]
     parts.append(epd_pb2.ContentPart(text=f"Tell me about number {i} at length"))
@@ -163,8 +167,9 @@ def undisturbed(cluster) -> list[list[int]]:
 
 
 def test_kill_9_of_an_lm_worker_mid_stream_loses_no_stream(cluster, undisturbed):
-    """12 greedy streams over two LM workers; one is killed once every stream has output.
-    Its streams migrate: 12 of 12 complete, token-identical to the undisturbed run."""
+    """12 streams (6 greedy, 6 seeded samples) over two LM workers; one is killed once every
+    stream has output. Its streams migrate: 12 of 12 complete, token-identical to the
+    undisturbed run."""
     report = run_load(
         cluster, "kill -9 lm", text_load(), lambda: cluster.kill("lm-1"), when_tokens=4
     )

@@ -242,6 +242,45 @@ def test_sampling_with_a_seed_is_reproducible_whatever_the_batch(tiny_checkpoint
     assert other["text"].token_ids != alone["text"].token_ids
 
 
+def test_a_resumed_request_goes_on_as_if_in_one_piece(tiny_checkpoint, tiny_ref, cases):
+    # What the proxy sends after a worker died mid-stream: the prompt plus the k tokens the
+    # client has, and how much of their text it has. The new engine must continue the seeded
+    # draws from token k, and a stop string that began before the cut must still stop it.
+    text = cases["text"]
+    params = {"temperature": 0.9, "top_k": 50, "seed": 77, "max_tokens": 24}
+    whole = run(make_engine(tiny_checkpoint), (text.request(**params), {}))["text"]
+    decode = tiny_ref.tokenizer.decode
+    full = whole.text
+    # A 4-character stop string spanning the text of the first k tokens and what follows.
+    found = None
+    for k in range(6, 16):
+        end = len(decode(whole.token_ids[:k], skip_special_tokens=True))
+        for j in range(end - 3, end):
+            if j > 0 and full.find(full[j : j + 4]) == j and len(full) >= j + 4:
+                found = k, full[j : j + 4], j
+                break
+        if found:
+            break
+    assert found, full
+    k, stop, at = found
+    params["stop"] = (stop,)
+    first = run(make_engine(tiny_checkpoint), (text.request(**params), {}))["text"]
+    assert first.text == full[:at] and first.last.finish_reason == "stop"
+    seen = first.outputs[:k]  # what the client had when the first worker died
+    seen_tokens = [t for o in seen for t in o.token_ids]
+    seen_text = "".join(o.text for o in seen)
+    assert len(seen_text) <= at  # the stop string's start was held back
+
+    resumed = text.request(**{**params, "max_tokens": params["max_tokens"] - k})
+    resumed.prompt_token_ids += seen_tokens
+    resumed.resumed_output_tokens = k
+    resumed.resumed_text_chars = len(seen_text)
+    rest = run(make_engine(tiny_checkpoint), (resumed, {}))["text"]
+    assert seen_tokens + rest.token_ids == first.token_ids
+    assert seen_text + rest.text == first.text
+    assert rest.last.finish_reason == "stop"
+
+
 def test_stop_tokens_stop_strings_and_logprobs(tiny_checkpoint, tiny_ref, cases):
     text = cases["text"]
     expected = text.expected

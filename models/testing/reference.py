@@ -33,7 +33,7 @@ from models.qwen2_vl.rope import (
 )
 from models.qwen2_vl.vision import VisionTower
 from models.registry import load_family
-from models.sampling import SamplingParams, new_generator, sample_row
+from models.sampling import Draws, SamplingParams, sample_row
 from models.testing.attention import ContiguousKVAttention
 from models.tokenizer import expand_placeholders
 
@@ -179,8 +179,9 @@ class ReferenceModel:
         sequence per step, until each stops (eos, a stop token or max_tokens)."""
         if params.max_tokens is None:
             raise ValueError("the reference path needs max_tokens")
-        seqs = [_Sequence(self._new_seq_id(), len(p.token_ids)) for p in prompts]
-        generator = new_generator(params.seed)
+        seqs = [
+            _Sequence(self._new_seq_id(), len(p.token_ids), Draws(params.seed)) for p in prompts
+        ]
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops |= set(self.arch.tokens.eos_token_ids)
@@ -192,9 +193,8 @@ class ReferenceModel:
             logits = self.lm.compute_logits(hidden[last_rows.to(self.device)])
             live = seqs
             while True:
-                for seq, token in zip(
-                    live, sample(logits, params, generator).tolist(), strict=True
-                ):
+                draws = [s.draws for s in live]
+                for seq, token in zip(live, sample(logits, params, draws).tolist(), strict=True):
                     seq.output.append(token)
                     seq.done = token in stops or len(seq.output) >= params.max_tokens
                 live = [s for s in live if not s.done]
@@ -251,19 +251,18 @@ class _Sequence:
 
     seq_id: int
     length: int  # prompt tokens
+    draws: Draws
     delta: int = 0  # M-RoPE decode delta
     output: list[int] = field(default_factory=list)
     done: bool = False
 
 
-def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> torch.Tensor:
-    """Next token per row of logits [B, vocab]: argmax at temperature 0, else drawn row by row
-    (models.sampling, as the engine draws)."""
+def sample(logits: torch.Tensor, params: SamplingParams, draws: list[Draws]) -> torch.Tensor:
+    """Next token per row of logits [B, vocab]: argmax at temperature 0, else row i drawn with
+    draws[i] (models.sampling, as the engine draws)."""
     if params.greedy:
         return logits.argmax(dim=-1)
-    tokens = [sample_row(row, params, generator) for row in logits]
+    tokens = [sample_row(row, params, d.next()) for row, d in zip(logits, draws, strict=True)]
     return torch.tensor(tokens, device=logits.device)
 
 
