@@ -679,6 +679,10 @@ def redis_cluster_k8s_problems(docs: list[dict]) -> list[str]:
         problems.append("StatefulSet/redis: nodes.conf is not on a volume")
     if 16379 not in {p["containerPort"] for p in container.get("ports", [])}:
         problems.append("StatefulSet/redis: no cluster bus port")
+    if "/etc/redis" not in mounts or "--aclfile" not in flags:
+        problems.append("StatefulSet/redis: no ACL file (an ACL user for the cluster)")
+    elif not (flags.get("--masteruser") and flags.get("--masterauth")):
+        problems.append("StatefulSet/redis: replicas cannot log in to their masters")
     policy = by_name.get("NetworkPolicy/redis")
     if policy is not None:
         allowed = {p.get("port") for rule in policy["spec"]["ingress"] for p in rule["ports"]}
@@ -694,6 +698,8 @@ def redis_cluster_k8s_problems(docs: list[dict]) -> list[str]:
             problems.append("Job/redis-cluster-init: does not join every pod")
         if "--cluster-replicas 1" not in script:
             problems.append("Job/redis-cluster-init: gives the masters no replicas")
+        if "REDISCLI_AUTH" not in container_env(init) or "--user admin" not in script:
+            problems.append("Job/redis-cluster-init: does not log in as admin")
     for dep in (d for d in docs if d["kind"] == "Deployment"):
         env = container_env(dep["spec"]["template"]["spec"]["containers"][0])
         if env.get("EPD_CONNECTOR_MODE", {}).get("value") != "cluster":
@@ -709,7 +715,10 @@ def test_kubernetes_redis_cluster_overlay():
     by_name["StatefulSet/redis"]["spec"]["replicas"] = 3
     env = by_name["Deployment/epd-proxy"]["spec"]["template"]["spec"]["containers"][0]["env"]
     env[:] = [e for e in env if e["name"] != "EPD_CONNECTOR_MODE"]
+    argv = by_name["StatefulSet/redis"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    del argv[argv.index("--masterauth") : argv.index("--masterauth") + 2]
     problems = redis_cluster_k8s_problems(broken)
+    assert any("cannot log in" in p for p in problems), problems
     assert any("3 nodes" in p for p in problems), problems
     assert any("epd-proxy: not in cluster mode" in p for p in problems), problems
 
