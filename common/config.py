@@ -374,9 +374,32 @@ class EncoderConfig:
     max_audio_seconds: float = 600.0
     # Prometheus /metrics over HTTP on this port, on the listen host (0: off).
     metrics_port: int = 0
+    # What the proxy sends this worker: both (prefill and decode, one worker per request),
+    # prefill (a request's prompt KV and first token, handed over) or decode (the rest of a
+    # handed-over request, its KV pulled from the KV tier). Any role serves any request.
+    role: Literal["both", "prefill", "decode"] = "both"
+    # The KV tier: shared (KV blocks in the connector's Redis, keyed by the block-hash chain:
+    # handovers, prefix hits across workers, re-prefills after a migration), none, or auto
+    # (shared for the prefill and decode roles, none for both).
+    kv_connector: Literal["auto", "none", "shared"] = "auto"
+    # Lifetime of a KV block in the tier (the memory bound is Redis's maxmemory, as for the
+    # embeddings).
+    kv_ttl_seconds: int = 600
+
+    @property
+    def kv_tier(self) -> str:
+        """The KV connector in use: shared or none."""
+        if self.kv_connector == "auto":
+            return "none" if self.role == "both" else "shared"
+        return self.kv_connector
 
     def __post_init__(self):
         parse_address(self.listen, "listen")
+        if self.role != "both" and self.kv_connector == "none":
+            raise ConfigError(
+                "kv_connector", f"a {self.role} worker hands KV over: set shared (or auto)"
+            )
+        _check_positive("kv_ttl_seconds", self.kv_ttl_seconds)
         if self.advertise is not None:
             parse_address(self.advertise, "advertise")
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
@@ -437,9 +460,32 @@ class LMConfig:
     drain_timeout_seconds: float = 60.0
     # Prometheus /metrics over HTTP on this port, on the listen host (0: off).
     metrics_port: int = 0
+    # What the proxy sends this worker: both (prefill and decode, one worker per request),
+    # prefill (a request's prompt KV and first token, handed over) or decode (the rest of a
+    # handed-over request, its KV pulled from the KV tier). Any role serves any request.
+    role: Literal["both", "prefill", "decode"] = "both"
+    # The KV tier: shared (KV blocks in the connector's Redis, keyed by the block-hash chain:
+    # handovers, prefix hits across workers, re-prefills after a migration), none, or auto
+    # (shared for the prefill and decode roles, none for both).
+    kv_connector: Literal["auto", "none", "shared"] = "auto"
+    # Lifetime of a KV block in the tier (the memory bound is Redis's maxmemory, as for the
+    # embeddings).
+    kv_ttl_seconds: int = 600
+
+    @property
+    def kv_tier(self) -> str:
+        """The KV connector in use: shared or none."""
+        if self.kv_connector == "auto":
+            return "none" if self.role == "both" else "shared"
+        return self.kv_connector
 
     def __post_init__(self):
         parse_address(self.listen, "listen")
+        if self.role != "both" and self.kv_connector == "none":
+            raise ConfigError(
+                "kv_connector", f"a {self.role} worker hands KV over: set shared (or auto)"
+            )
+        _check_positive("kv_ttl_seconds", self.kv_ttl_seconds)
         if self.advertise is not None:
             parse_address(self.advertise, "advertise")
         for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch_size"):

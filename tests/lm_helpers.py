@@ -34,8 +34,11 @@ def make_engine(checkpoint, family: ModelFamily | None = None, **lm) -> LMEngine
     lm.setdefault("max_num_seqs", 16)
     lm.setdefault("max_num_batched_tokens", 256)
     pad = lm.pop("pad_decodes", False)
+    kv_store = lm.pop("kv_store", None)
     family = family or load_family(checkpoint)
-    return build_engine(LMConfig(**lm), family, torch.float32, registry=None, pad_decodes=pad)
+    return build_engine(
+        LMConfig(**lm), family, torch.float32, registry=None, pad_decodes=pad, kv_store=kv_store
+    )
 
 
 @dataclass
