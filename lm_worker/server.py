@@ -22,6 +22,7 @@ from common.served_model import resolve_model
 from common.server import RoleServer, Service, run_worker
 from common.tls import cluster_server_credentials
 from connector import AsyncECConnector, ConnectorError, wait_until_reachable
+from connector.kv import KVStore
 from connector.registry import Heartbeat
 from lm_worker.engine import BadRequest, LMEngine, RequestOutput, deliver
 from lm_worker.loader import build_engine
@@ -190,7 +191,21 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         def emit(items):
             loop.call_soon_threadsafe(deliver, items)
 
-        self.engine = await asyncio.to_thread(build_engine, c.lm, served.family, served.dtype, emit)
+        kv_store = None
+        if c.lm.kv_tier == "shared":
+            options = c.connector.connector_options()
+            kv_store = KVStore(
+                options["url"],
+                served.fingerprint,
+                namespace=options["namespace"],
+                ttl_seconds=c.lm.kv_ttl_seconds,
+                op_timeout=options["op_timeout"],
+                retries=options["retries"],
+                mode=options["mode"],
+            )
+        self.engine = await asyncio.to_thread(
+            build_engine, c.lm, served.family, served.dtype, emit, kv_store=kv_store
+        )
         self.engine.start()
         self.connector = AsyncECConnector(
             fingerprint=served.fingerprint, **c.connector.connector_options(local_tier=True)
@@ -232,6 +247,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             self._watchdog.cancel()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
+            if self.engine.kv is not None:
+                await asyncio.to_thread(self.engine.kv.close)
         if self.connector is not None:
             await self.connector.close()
 
@@ -289,6 +306,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                         )
                     )
                     return
+                if engine.kv is not None:  # the blocks the KV tier holds, off the engine
+                    await asyncio.to_thread(engine.kv.prefetch, req, request.kv_handover)
                 req.arrival = time.monotonic()
                 engine.add_request(req, queue.put_nowait, embeddings)
                 live.in_engine = True
@@ -306,6 +325,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                     msg = to_response(out)
                     if out.finish_reason is not None:
                         finished = True
+                        if engine.kv is not None:  # a handover's blocks are all stored first
+                            await wait_saves(engine.kv, req.request_id)
                         msg.timings.embedding_wait_seconds = wait
                         msg.timings.total_seconds = time.monotonic() - started
                         if "time_to_first_token_seconds" in out.timings:
@@ -317,6 +338,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                         return
             finally:
                 self.active.pop(req.request_id, None)
+                if engine.kv is not None:
+                    engine.kv.pending_saves(req.request_id)  # not waited for: dropped
                 if live.fetch is not None:
                     live.fetch.cancel()
                 if not finished and live.in_engine:  # the client went away, or its deadline
@@ -342,9 +365,40 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         return epd_pb2.LMLoad(
             worker_id=self.name,
             waiting_for_embeddings=self.fetcher.waiting,
+            role=self.config.lm.role,
+            kv_tier=self.config.lm.kv_tier,
             **load,
             **_fetches_by_tier(self.connector),
+            **kv_counters(self.engine.kv),
         )
+
+
+async def wait_saves(kv, request_id: str) -> None:
+    """Until the request's KV writes are done. A failed write is logged, not raised: the
+    blocks it held are recomputed by whoever looks for them."""
+    for future in kv.pending_saves(request_id):
+        try:
+            await asyncio.wrap_future(future)
+        except Exception as e:
+            logger.warning("%s: KV save failed (%s): readers recompute", request_id, e)
+
+
+def kv_counters(kv) -> dict[str, int]:
+    """The KV tier's counters as LMLoad's kv_* fields (none without a tier)."""
+    metrics = getattr(kv, "metrics", None)
+    if metrics is None:
+        return {}
+    counts = {}
+    for metric, label, field in (
+        (metrics.bytes, "sent", "kv_bytes_sent"),
+        (metrics.bytes, "received", "kv_bytes_received"),
+        (metrics.blocks, "pulled", "kv_blocks_pulled"),
+        (metrics.blocks, "corrupt", "kv_blocks_corrupt"),
+    ):
+        for sample in metric.collect()[0].samples:
+            if sample.name.endswith("_total") and label in sample.labels.values():
+                counts[field] = int(sample.value)
+    return counts
 
 
 def _fetches_by_tier(connector: AsyncECConnector) -> dict[str, int]:

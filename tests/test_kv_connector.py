@@ -9,7 +9,7 @@ import torch
 from connector.kv import HEADER_BYTES, KVStore, decode_block, encode_block
 from connector.wire import WireError
 from lm_worker.kv_connector import tail_hash
-from tests.lm_helpers import Collected, case, make_engine, png
+from tests.lm_helpers import Collected, case, make_engine, png, run
 
 BLOCK = 8
 
@@ -83,6 +83,7 @@ def test_prefill_then_decode_equals_the_reference(tiny_checkpoint, redis_server,
     c = cases[name]
     tokens, rest = handover(prefill, decode, c)
     assert tokens == c.expected
+    assert tokens == run(make_engine(tiny_checkpoint, block_size=BLOCK), c)[name].token_ids
     # Every prompt token came from the tier: the decode engine computed only the new one.
     assert rest.last.num_cached_tokens == len(c.token_ids)
     samples = blocks(decode)
