@@ -325,3 +325,39 @@ def test_up_redis_cluster_without_url_starts_an_embedded_cluster(up):
     cluster.proc.send_signal(signal.SIGINT)
     assert cluster.proc.wait(60) == 0
     assert_all_gone(children)
+
+
+def test_up_with_the_prefill_decode_split(up):
+    cluster = up("--prefill-workers", "1", "--decode-workers", "1")
+    cluster.wait_serving()
+    out = "".join(cluster.stdout)
+    assert "prefill-0" in out and "decode-0" in out and "lm-0" not in out
+    # Until the proxy has polled both roles, a request may run whole on one worker.
+    deadline = time.monotonic() + 30
+    while True:
+        _, state = cluster.http_get("/dashboard/state")
+        roles = sorted(
+            w["load"]["role"] for w in state["workers"] if w["load"] and w["role"] == "lm"
+        )
+        if roles == ["decode", "prefill"]:
+            break
+        assert time.monotonic() < deadline, state["workers"]
+        time.sleep(0.1)
+    request = epd_pb2.GenerateRequest(
+        text="Once upon a time",
+        sampling=epd_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
+        replies = list(epd_pb2_grpc.InferenceStub(channel).Generate(request, timeout=60))
+    assert sum(len(r.token_ids) for r in replies) == 8
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/metrics") as reply:
+        metrics = reply.read().decode()
+    assert "epd_pd_handovers_total 1.0" in metrics
+
+
+def test_up_refuses_half_a_split():
+    result = subprocess.run(
+        epd_command("up", "--prefill-workers", "1"), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "--prefill-workers N --decode-workers M" in result.stderr
