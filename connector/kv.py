@@ -131,6 +131,14 @@ def decode_block(value: bytes) -> KVBlock:
     return KVBlock(block_hash, first, layers, tokens, flat.view(shape))
 
 
+def peek_hash(value: bytes) -> bytes:
+    """The block hash in a value's header (ValueError when it has none); the rest is checked
+    by `decode_block` when the value is used."""
+    if len(value) < HEADER_BYTES or value[:4] != MAGIC:
+        raise ValueError("not a KV value")
+    return bytes(value[32 : 32 + HASH_BYTES])
+
+
 class KVStore:
     """Blocks in Redis (blocking: LM workers call it from a worker thread). Plain values in,
     bytes out; checking a block against the cache layout is the caller's (`decode_block`)."""
@@ -196,4 +204,4 @@ class KVStoreError(RuntimeError):
     """Redis could not do what was asked; the message names the (redacted) URL and the cause."""
 
 
-__all__ = ["KVBlock", "KVStore", "KVStoreError", "decode_block", "encode_block"]
+__all__ = ["KVBlock", "KVStore", "KVStoreError", "decode_block", "encode_block", "peek_hash"]

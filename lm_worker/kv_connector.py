@@ -42,6 +42,7 @@ import torch
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from connector.kv import KVStore, KVStoreError, decode_block, encode_block
+from connector.kv_stream import KVInbox, KVSender
 from connector.wire import WireError
 from lm_worker.block_manager import extend_block_hashes
 from lm_worker.request import Request
@@ -67,7 +68,7 @@ class KVConnector:
     def request_finished(self, request_id: str) -> None:
         pass
 
-    def prefetch(self, request: Request, handover: bool = False) -> int:
+    def prefetch(self, request: Request, handover: bool = False, target: str = "") -> int:
         return 0
 
     def pending_saves(self, request_id: str) -> list[concurrent.futures.Future]:
@@ -132,8 +133,14 @@ class SharedKVConnector(KVConnector):
         block_shape: tuple[int, ...],  # one block, all layers: [L, 2, block_size, kvh, d]
         dtype: torch.dtype,
         registry: CollectorRegistry | None = REGISTRY,
+        sender: KVSender | None = None,
+        inbox: KVInbox | None = None,
     ):
         self.store = store
+        # The direct path (backend "direct"): a handover's blocks go to its decode worker's
+        # inbox over a kept connection, and this worker's inbox is read before Redis.
+        self.sender = sender
+        self.inbox = inbox
         self.block_size = block_size
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
@@ -141,6 +148,7 @@ class SharedKVConnector(KVConnector):
         self._lock = threading.Lock()  # the dicts below are shared with the servicer thread
         self._fetched: dict[str, _Fetched] = {}
         self._handover: set[str] = set()
+        self._targets: dict[str, str] = {}  # request id -> its decode worker's KV address
         self._saves: dict[str, list[concurrent.futures.Future]] = {}
         # Engine thread only.
         self._saved: dict[str, int] = {}  # leading full blocks known to be in the tier
@@ -150,14 +158,16 @@ class SharedKVConnector(KVConnector):
 
     # -- servicer side ------------------------------------------------------------------------
 
-    def prefetch(self, request: Request, handover: bool = False) -> int:
+    def prefetch(self, request: Request, handover: bool = False, target: str = "") -> int:
         """Fetch the leading run of the request's blocks the tier holds (blocking: call it from
         a worker thread, before the engine has the request). Returns the tokens they cover.
         `handover`: the request is a prefill stage; its tail block is saved for the decode
-        worker."""
+        worker, sent straight to `target` (its KV address) when there is one."""
         if handover:
             with self._lock:
                 self._handover.add(request.request_id)
+                if target and self.sender is not None:
+                    self._targets[request.request_id] = target
         limit = request.num_tokens - 1  # the last token is always computed (its logits)
         bs = self.block_size
         hashes = list(extend_block_hashes(request, limit, bs)[: limit // bs])
@@ -168,7 +178,7 @@ class SharedKVConnector(KVConnector):
             return 0
         started = time.monotonic()
         try:
-            values = self.store.get_many(hashes)
+            values = self._get_many(hashes)
         except KVStoreError as e:
             logger.warning("%s: KV fetch failed (%s): recomputing", request.request_id, e)
             return 0
@@ -203,6 +213,17 @@ class SharedKVConnector(KVConnector):
             with self._lock:
                 self._fetched[request.request_id] = fetched
         return fetched.num_tokens
+
+    def _get_many(self, hashes: list[bytes]) -> list[bytes | None]:
+        """The inbox's values (direct path) first, Redis for the rest."""
+        values = self.inbox.take_many(hashes) if self.inbox is not None else [None] * len(hashes)
+        missing = [i for i, v in enumerate(values) if v is None]
+        if missing:
+            for i, value in zip(
+                missing, self.store.get_many([hashes[i] for i in missing]), strict=True
+            ):
+                values[i] = value
+        return values
 
     def _check(self, block, expected_hash: bytes) -> torch.Tensor:
         if block.block_hash != expected_hash:
@@ -291,13 +312,26 @@ class SharedKVConnector(KVConnector):
                 continue
             ids = torch.as_tensor([b for _, b, _ in items], device=kv_cache.device)
             data = kv_cache.index_select(2, ids).to("cpu")
-            future = self._writer.submit(self._write, items, data)
+            with self._lock:
+                target = self._targets.get(rid, "")
+            future = self._writer.submit(self._write, items, data, target)
             with self._lock:
                 self._saves.setdefault(rid, []).append(future)
 
-    def _write(self, items: list[tuple[bytes, int, int]], data: torch.Tensor) -> None:
+    def _write(self, items: list[tuple[bytes, int, int]], data: torch.Tensor, target: str) -> None:
         started = time.monotonic()
         values = [(h, encode_block(h, data[:, :, j], n)) for j, (h, _, n) in enumerate(items)]
+        if target:
+            try:
+                nbytes = self.sender.send(target, [v for _, v in values])
+                self.metrics.bytes.labels("sent").inc(nbytes)
+                self.metrics.blocks.labels("sent_direct").inc(len(values))
+                self.metrics.seconds.labels("send").observe(time.monotonic() - started)
+                return
+            except (OSError, ConnectionError) as e:
+                # The decode worker looks in Redis after its inbox: the blocks go there.
+                logger.warning("KV send to %s failed (%s): writing to Redis", target, e)
+                self.metrics.blocks.labels("direct_failed").inc(len(values))
         try:
             nbytes = self.store.put_many(values)
         except KVStoreError as e:
@@ -314,10 +348,13 @@ class SharedKVConnector(KVConnector):
         with self._lock:
             self._fetched.pop(request_id, None)
             self._handover.discard(request_id)
+            self._targets.pop(request_id, None)
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         self.store.close()
+        if self.sender is not None:
+            self.sender.close()
 
 
 __all__ = ["KVConnector", "KVMetrics", "SharedKVConnector", "tail_hash"]

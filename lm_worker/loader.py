@@ -11,6 +11,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from common.config import LMConfig, cache_dir
 from common.device import resolve_device
 from connector.kv import KVStore
+from connector.kv_stream import KVInbox, KVSender
 from lm_worker.attention import PagedAttention
 from lm_worker.block_manager import BlockManager
 from lm_worker.cpu_kernels import choose_linear_kernel, use_kernel
@@ -33,6 +34,7 @@ def build_engine(
     registry: CollectorRegistry | None = REGISTRY,
     pad_decodes: bool = False,
     kv_store: KVStore | None = None,
+    kv_direct: tuple[KVSender, KVInbox] | None = None,
 ) -> LMEngine:
     """Load the family's LM, size the KV cache, capture graphs. `pad_decodes` is for tests
     (graph-shaped inputs run eagerly on the CPU)."""
@@ -87,7 +89,10 @@ def build_engine(
     kv = None
     if kv_store is not None:
         block_shape = (text.num_layers, 2, lm.block_size, text.num_kv_heads, text.head_dim)
-        kv = SharedKVConnector(kv_store, lm.block_size, block_shape, dtype, registry)
+        sender, inbox = kv_direct or (None, None)
+        kv = SharedKVConnector(
+            kv_store, lm.block_size, block_shape, dtype, registry, sender=sender, inbox=inbox
+        )
     return LMEngine(
         runner,
         scheduler,

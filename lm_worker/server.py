@@ -16,13 +16,14 @@ import uuid
 import grpc
 import numpy as np
 
-from common.config import ClusterConfig
+from common.config import ClusterConfig, parse_address
 from common.media import MODALITY_NAMES
 from common.served_model import resolve_model
 from common.server import RoleServer, Service, run_worker
 from common.tls import cluster_server_credentials
 from connector import AsyncECConnector, ConnectorError, wait_until_reachable
-from connector.kv import KVStore
+from connector.kv import KVStore, peek_hash
+from connector.kv_stream import KVInbox, KVReceiver, KVSender
 from connector.registry import Heartbeat
 from lm_worker.engine import BadRequest, LMEngine, RequestOutput, deliver
 from lm_worker.loader import build_engine
@@ -176,6 +177,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         self.fetcher: EmbeddingFetcher | None = None
         self.connector: AsyncECConnector | None = None
         self.active: dict[str, _Active] = {}
+        self.kv_receiver: KVReceiver | None = None  # the direct KV path's listener
+        self.kv_address = ""
         self.stuck = False
         self._watchdog: asyncio.Task | None = None
 
@@ -191,8 +194,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         def emit(items):
             loop.call_soon_threadsafe(deliver, items)
 
-        kv_store = None
-        if c.lm.kv_tier == "shared":
+        kv_store = kv_direct = None
+        if c.lm.kv_tier in ("shared", "direct"):
             options = c.connector.connector_options()
             kv_store = KVStore(
                 options["url"],
@@ -203,8 +206,23 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                 retries=options["retries"],
                 mode=options["mode"],
             )
+        if c.lm.kv_tier == "direct":
+            inbox = KVInbox(c.lm.kv_inbox_bytes)
+            host = parse_address(c.lm.listen, "listen")[0]
+            self.kv_receiver = KVReceiver(host, c.lm.kv_port, inbox, peek_hash)
+            advertised = parse_address(c.lm.address, "advertise")[0]
+            if ":" in advertised:
+                advertised = f"[{advertised}]"
+            self.kv_address = f"{advertised}:{self.kv_receiver.port}"
+            kv_direct = (KVSender(c.connector.op_timeout_seconds), inbox)
         self.engine = await asyncio.to_thread(
-            build_engine, c.lm, served.family, served.dtype, emit, kv_store=kv_store
+            build_engine,
+            c.lm,
+            served.family,
+            served.dtype,
+            emit,
+            kv_store=kv_store,
+            kv_direct=kv_direct,
         )
         self.engine.start()
         self.connector = AsyncECConnector(
@@ -249,6 +267,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             await asyncio.to_thread(self.engine.stop)
             if self.engine.kv is not None:
                 await asyncio.to_thread(self.engine.kv.close)
+        if self.kv_receiver is not None:
+            self.kv_receiver.close()
         if self.connector is not None:
             await self.connector.close()
 
@@ -307,7 +327,9 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                     )
                     return
                 if engine.kv is not None:  # the blocks the KV tier holds, off the engine
-                    await asyncio.to_thread(engine.kv.prefetch, req, request.kv_handover)
+                    await asyncio.to_thread(
+                        engine.kv.prefetch, req, request.kv_handover, request.kv_target
+                    )
                 req.arrival = time.monotonic()
                 engine.add_request(req, queue.put_nowait, embeddings)
                 live.in_engine = True
@@ -367,6 +389,7 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             waiting_for_embeddings=self.fetcher.waiting,
             role=self.config.lm.role,
             kv_tier=self.config.lm.kv_tier,
+            kv_address=self.kv_address,
             **load,
             **_fetches_by_tier(self.connector),
             **kv_counters(self.engine.kv),

@@ -31,7 +31,7 @@ Everything is bounded: an hour of traffic or 50 workers cost what 15 minutes and
                                    ec_local_hits, ec_local_misses, ec_redis_hits,
                                    ec_redis_misses, role, kv_tier, kv_bytes_sent,
                                    kv_bytes_received, kv_blocks_pulled,
-                                   kv_blocks_corrupt}}],
+                                   kv_blocks_corrupt, kv_address}}],
       "cache": {
         "tiers": {"proxy": {"hits": 1, "misses": 1, "hit_rate": 0.5},      # has-check
                   "lm_local": {...}, "redis": {...}},    # LM workers' fetches (null rate: none)
@@ -137,6 +137,7 @@ LM_LOAD = (
     "kv_bytes_received",
     "kv_blocks_pulled",
     "kv_blocks_corrupt",
+    "kv_address",
 )
 
 

@@ -211,6 +211,7 @@ class Frontend:
         sent: list[int] = []  # output token ids the client has been sent
         tried: set[str] = set()
         attempt = -1
+        target = None  # the decode worker a prefill stage sent its KV to (direct KV)
         while attempt + 1 < self.retries:
             attempt += 1
             if running.aborted:  # aborted while it migrated
@@ -223,13 +224,13 @@ class Frontend:
             lm_id = f"{req.request_id}@{uuid.uuid4().hex[:12]}"
             msg = self._lm_message(req, lm_id, sent)
             stage = self.pd.stage(msg, sent)  # prefill / decode split (proxy/pd.py)
-            worker = self.pd.pick(stage, tried) if stage else None
+            worker = self.pd.pick(stage, tried, target) if stage else None
             worker = worker or self.lms.pick(exclude=tried) or self.lms.pick()
             if worker is None:
                 raise Unavailable("no LM worker is available")
             tried.add(worker.address)
             if stage == PREFILL:
-                self.pd.cap(msg)
+                target = self.pd.cap(msg)
             carried = len(sent)  # output tokens this call takes as prompt
             if msg.sampling.HasField("max_tokens") and msg.sampling.max_tokens < 1:
                 usage = epd_pb2.Usage(

@@ -56,21 +56,29 @@ class PDRouter:
             return None
         return PREFILL
 
-    def pick(self, stage: str, exclude: set[str]) -> Worker | None:
+    def pick(self, stage: str, exclude: set[str], prefer: Worker | None = None) -> Worker | None:
         """A prefill worker by least queued tokens; a decode worker by most free KV blocks,
-        then least queued tokens."""
+        then least queued tokens (`prefer`: the one its KV was sent to, while usable)."""
         workers = self._usable(stage, exclude)
+        if prefer is not None and prefer in workers:
+            return prefer
         if stage == PREFILL:
             return min(workers, key=lambda w: (w.queued_tokens(), w.address), default=None)
         return min(
             workers, key=lambda w: (-_free_blocks(w), w.queued_tokens(), w.address), default=None
         )
 
-    @staticmethod
-    def cap(msg: epd_pb2.LMGenerateRequest) -> None:
-        """Make `msg` a prefill stage: one token, its KV handed over."""
+    def cap(self, msg: epd_pb2.LMGenerateRequest) -> Worker | None:
+        """Make `msg` a prefill stage: one token, its KV handed over. With direct KV, the
+        decode worker is chosen now and the blocks go straight to it: that worker (else
+        None)."""
         msg.sampling.max_tokens = 1
         msg.kv_handover = True
+        target = self.pick(DECODE, set())
+        if target is None or not target.load.kv_address:
+            return None
+        msg.kv_target = target.load.kv_address
+        return target
 
     @staticmethod
     def handed_over(worker: Worker, msg: epd_pb2.LMGenerateRequest, finish: int) -> bool:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.kv import HEADER_BYTES, KVStore, decode_block, encode_block
+from connector.kv import HEADER_BYTES, KVStore, decode_block, encode_block, peek_hash
+from connector.kv_stream import KVInbox, KVReceiver, KVSender
 from connector.wire import WireError
+from lm_worker.block_manager import extend_block_hashes
 from lm_worker.kv_connector import tail_hash
 from tests.lm_helpers import Collected, case, make_engine, png, run
 
@@ -29,13 +31,15 @@ def shared_engine(checkpoint, redis_url: str, **lm):
     return make_engine(checkpoint, kv_store=store, **lm)
 
 
-def generate(engine, c, prompt_extra=(), max_tokens=None, handover=False, request_id=None):
+def generate(
+    engine, c, prompt_extra=(), max_tokens=None, handover=False, request_id=None, target=""
+):
     """Run one case (prompt + `prompt_extra` tokens) through `engine`, prefetching its KV from
     the tier first, as the servicer does; waits for its saves. The Collected outputs."""
     request = c.request(max_tokens=max_tokens or len(c.expected))
     request.request_id = request_id or c.request_id
     request.prompt_token_ids = list(c.token_ids) + list(prompt_extra)
-    engine.kv.prefetch(request, handover=handover)
+    engine.kv.prefetch(request, handover=handover, target=target)
     sink = Collected()
     engine.add_request(request, sink, c.embeddings)
     engine.run_to_completion()
@@ -134,8 +138,6 @@ def test_corrupt_block_is_recomputed_never_used(tiny_checkpoint, redis_server, c
     generate(prefill, c, max_tokens=1, handover=True)
     # Flip a payload byte of the third block.
     probe = c.request()
-    from lm_worker.block_manager import extend_block_hashes
-
     chain = extend_block_hashes(probe, len(c.token_ids), BLOCK)
     store = prefill.kv.store
     value = bytearray(store.get_many([chain[2]])[0])
@@ -159,3 +161,46 @@ def test_tail_hash_depends_on_tokens_and_media(cases):
     assert n % BLOCK
     assert tail_hash(r1, n, BLOCK) != tail_hash(r2, n, BLOCK)
     assert tail_hash(r1, n // BLOCK * BLOCK, BLOCK) is None
+
+
+def test_direct_path_hands_over_without_redis(tiny_checkpoint, redis_server, cases):
+    # The prefill engine sends a handover's blocks over a kept connection to the decode
+    # engine's receiver; nothing of the prompt goes through Redis.
+    inbox = KVInbox(64 << 20)
+    receiver = KVReceiver("127.0.0.1", 0, inbox, peek_hash)
+    sender = KVSender()
+    try:
+        prefill = shared_engine(tiny_checkpoint, redis_server.url, kv_direct=(sender, None))
+        decode = shared_engine(tiny_checkpoint, redis_server.url, kv_direct=(None, inbox))
+        c = cases["image"]
+        target = f"127.0.0.1:{receiver.port}"
+        first = generate(prefill, c, max_tokens=1, handover=True, target=target)
+        assert len(inbox) == -(-len(c.token_ids) // BLOCK)
+        rest = generate(decode, c, first.token_ids, max_tokens=len(c.expected) - 1, request_id="d")
+        assert first.token_ids + rest.token_ids == c.expected
+        assert rest.last.num_cached_tokens == len(c.token_ids)
+        assert len(inbox) == 0  # each value is handed out once
+        chain = extend_block_hashes(c.request(), len(c.token_ids), BLOCK)
+        assert prefill.kv.store.get_many(chain[:1]) == [None]
+        assert blocks(prefill)["sent_direct"] == -(-len(c.token_ids) // BLOCK)
+        # A second request with the same prompt finds the inbox empty and nothing in Redis
+        # for the prompt: it recomputes (a miss, never a wrong block).
+        again = generate(decode, c, first.token_ids, max_tokens=3, request_id="again")
+        assert again.token_ids == c.expected[1:4]
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_direct_send_to_a_dead_peer_falls_back_to_redis(tiny_checkpoint, redis_server, cases):
+    receiver = KVReceiver("127.0.0.1", 0, KVInbox(1 << 20), peek_hash)
+    target = f"127.0.0.1:{receiver.port}"
+    receiver.close()  # nobody listens there now
+    prefill = shared_engine(tiny_checkpoint, redis_server.url, kv_direct=(KVSender(1.0), None))
+    decode = shared_engine(tiny_checkpoint, redis_server.url)
+    c = cases["text"]
+    first = generate(prefill, c, max_tokens=1, handover=True, target=target)
+    assert blocks(prefill)["direct_failed"] > 0
+    rest = generate(decode, c, first.token_ids, max_tokens=len(c.expected) - 1, request_id="d")
+    assert first.token_ids + rest.token_ids == c.expected
+    assert rest.last.num_cached_tokens == len(c.token_ids)

@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+import redis
 
 from models.testing import ImageItem
 from proto import epd_pb2
@@ -148,3 +149,35 @@ def test_kill_9_of_a_decode_worker_mid_stream_loses_no_stream(cluster, tiny_ref)
     # The survivor pulled blocks from the tier for the migrated streams.
     time.sleep(0.5)  # a load poll after the streams ended
     assert kv_loads(cluster, count=2)["decode-2"]["kv_blocks_pulled"] > 0
+
+
+def test_direct_kv_path(tmp_path, tiny_checkpoint, tiny_ref):
+    """lm.kv_connector direct: the proxy picks the decode worker before the prefill, and the
+    prompt's blocks go straight to it; Redis holds none of them."""
+    c = Cluster(
+        tmp_path,
+        tiny_checkpoint,
+        encoders=1,
+        lms=2,
+        lm_roles=("prefill", "decode"),
+        lm={"block_size": 8, "max_num_seqs": 8, "kv_connector": "direct"},
+    )
+    try:
+        loads = wait_roles(c, count=2)
+        assert all(load["kv_tier"] == "direct" for load in loads.values())
+        decode_address = loads[c.lm_addresses[1]]["kv_address"]
+        assert decode_address.startswith("127.0.0.1:")
+        images = (image_bytes(64, 48, 7),)
+        tokens, last = c.generate("What is in this picture?", images, max_tokens=4)
+        assert tokens == expected(tiny_ref, "What is in this picture?", images, max_tokens=4)
+        assert last.usage.cached_prompt_tokens == last.usage.prompt_tokens
+        prompt_blocks = -(-last.usage.prompt_tokens // 8)
+        with redis.Redis.from_url(c.redis.url) as client:
+            stored = sum(1 for _ in client.scan_iter("*:kv:*"))
+        assert stored < prompt_blocks  # (the decode worker saves the blocks it fills)
+        time.sleep(0.5)
+        loads = wait_roles(c, count=2)
+        assert loads[c.lm_addresses[0]]["kv_bytes_sent"] > 0
+        assert loads[c.lm_addresses[1]]["kv_blocks_pulled"] == prompt_blocks
+    finally:
+        c.stop()
