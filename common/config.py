@@ -375,6 +375,7 @@ class EncoderConfig:
     max_audio_seconds: float = 600.0
     # Prometheus /metrics over HTTP on this port, on the listen host (0: off).
     metrics_port: int = 0
+
     def __post_init__(self):
         parse_address(self.listen, "listen")
         if self.advertise is not None:
