@@ -5,6 +5,7 @@ stream and repeats or skips no token."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -149,6 +150,26 @@ def test_kill_9_of_a_decode_worker_mid_stream_loses_no_stream(cluster, tiny_ref)
     # The survivor pulled blocks from the tier for the migrated streams.
     time.sleep(0.5)  # a load poll after the streams ended
     assert kv_loads(cluster, count=2)["decode-2"]["kv_blocks_pulled"] > 0
+
+
+def test_a_prefill_worker_dying_before_its_handover_is_retried(cluster, tiny_ref):
+    """The prefill worker is frozen with a request in it, then killed: the proxy retries the
+    request (no token was sent) on a worker still up, and the client sees the reference's
+    tokens. Runs after the decode worker's kill: the cluster is down to one decode worker."""
+    retries = cluster.metric("epd_retries_total", role="lm")
+    cluster.roles["lm-0"].child.signal(signal.SIGSTOP)
+    out: dict = {}
+
+    def call() -> None:
+        out["tokens"], out["last"] = cluster.generate("A frozen prefill", max_tokens=6)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    time.sleep(0.5)  # the call is in the frozen worker's socket
+    cluster.kill("lm-0")
+    thread.join(60)
+    assert out["tokens"] == expected(tiny_ref, "A frozen prefill", max_tokens=6)
+    assert cluster.metric("epd_retries_total", role="lm") > retries
 
 
 def test_direct_kv_path(tmp_path, tiny_checkpoint, tiny_ref):
