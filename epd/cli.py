@@ -174,6 +174,7 @@ BENCH_MODULES = (
     "epd.bench.proxy",
     "epd.bench.soak",
     "epd.bench.serve",
+    "epd.bench.pd",
 )
 
 

@@ -406,7 +406,7 @@ async def wait_saves(kv, request_id: str) -> None:
             logger.warning("%s: KV save failed (%s): readers recompute", request_id, e)
 
 
-def kv_counters(kv) -> dict[str, int]:
+def kv_counters(kv) -> dict[str, float]:
     """The KV tier's counters as LMLoad's kv_* fields (none without a tier)."""
     metrics = getattr(kv, "metrics", None)
     if metrics is None:
@@ -421,6 +421,11 @@ def kv_counters(kv) -> dict[str, int]:
         for sample in metric.collect()[0].samples:
             if sample.name.endswith("_total") and label in sample.labels.values():
                 counts[field] = int(sample.value)
+    counts["kv_send_seconds"] = sum(
+        s.value
+        for s in metrics.seconds.collect()[0].samples
+        if s.name.endswith("_sum") and s.labels["op"] in ("save", "send")
+    )
     return counts
 
 

@@ -138,6 +138,7 @@ LM_LOAD = (
     "kv_blocks_pulled",
     "kv_blocks_corrupt",
     "kv_address",
+    "kv_send_seconds",
 )
 
 
