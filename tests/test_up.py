@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,8 +17,10 @@ import grpc
 import psutil
 import pytest
 
+from common.config import load_config
 from common.health import health_status
 from common.process import epd_command, free_port, port_is_free
+from epd.launcher import LocalCluster
 from proto import epd_pb2, epd_pb2_grpc
 from tests.model_helpers import make_video
 
@@ -327,32 +330,19 @@ def test_up_redis_cluster_without_url_starts_an_embedded_cluster(up):
     assert_all_gone(children)
 
 
-def test_up_with_the_prefill_decode_split(up):
-    cluster = up("--prefill-workers", "1", "--decode-workers", "1")
-    cluster.wait_serving()
-    out = "".join(cluster.stdout)
-    assert "prefill-0" in out and "decode-0" in out and "lm-0" not in out
-    # Until the proxy has polled both roles, a request may run whole on one worker.
-    deadline = time.monotonic() + 30
-    while True:
-        _, state = cluster.http_get("/dashboard/state")
-        roles = sorted(
-            w["load"]["role"] for w in state["workers"] if w["load"] and w["role"] == "lm"
-        )
-        if roles == ["decode", "prefill"]:
-            break
-        assert time.monotonic() < deadline, state["workers"]
-        time.sleep(0.1)
-    request = epd_pb2.GenerateRequest(
-        text="Once upon a time",
-        sampling=epd_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-    )
-    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
-        replies = list(epd_pb2_grpc.InferenceStub(channel).Generate(request, timeout=60))
-    assert sum(len(r.token_ids) for r in replies) == 8
-    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/metrics") as reply:
-        metrics = reply.read().decode()
-    assert "epd_pd_handovers_total 1.0" in metrics
+def test_up_with_the_prefill_decode_split():
+    """The split's roles: LM workers named by role, each told its role in its environment (the
+    processes themselves are exercised by tests/test_pd_cluster.py)."""
+    cluster = LocalCluster(
+        load_config(None, environ={}), num_lm_workers=0, num_prefill_workers=1,
+        num_decode_workers=2,
+    )  # fmt: skip
+    try:
+        roles = {r.name: r.env.get("EPD_LM_ROLE") for r in cluster.lm_workers}
+        assert roles == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+        assert all(r.kind == "lm" for r in cluster.lm_workers)
+    finally:
+        shutil.rmtree(cluster.run_dir)
 
 
 def test_up_refuses_half_a_split():
