@@ -66,6 +66,7 @@ REDACTED = "<redacted>"
 
 _ONE_GIB = ByteSize(1 << 30)
 _32_MIB = ByteSize(32 << 20)
+_256_MIB = ByteSize(256 << 20)
 # Under CUDA graphs the decode attention reads max_model_len keys per sequence (static shapes):
 # without an explicit lm.max_model_len the context is capped here.
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -437,9 +438,40 @@ class LMConfig:
     drain_timeout_seconds: float = 60.0
     # Prometheus /metrics over HTTP on this port, on the listen host (0: off).
     metrics_port: int = 0
+    # What the proxy sends this worker: both (prefill and decode, one worker per request),
+    # prefill (a request's prompt KV and first token, handed over) or decode (the rest of a
+    # handed-over request, its KV pulled from the KV tier). Any role serves any request.
+    role: Literal["both", "prefill", "decode"] = "both"
+    # The KV tier: shared (KV blocks in the connector's Redis, keyed by the block-hash chain:
+    # handovers, prefix hits across workers, re-prefills after a migration), direct (shared,
+    # and a handover's blocks go straight from the prefill worker to the decode worker chosen
+    # for it, over one kept TCP connection per pair), none, or auto (shared for the prefill
+    # and decode roles, none for both).
+    kv_connector: Literal["auto", "none", "shared", "direct"] = "auto"
+    # direct: the port of this worker's KV receiver, on the listen host (0: any free port; the
+    # worker reports it to the proxy), and the bytes its inbox holds (oldest dropped first).
+    kv_port: int = 0
+    kv_inbox_bytes: ByteSize = _256_MIB
+    # Lifetime of a KV block in the tier (the memory bound is Redis's maxmemory, as for the
+    # embeddings).
+    kv_ttl_seconds: int = 600
+
+    @property
+    def kv_tier(self) -> str:
+        """The KV connector in use: direct, shared or none."""
+        if self.kv_connector == "auto":
+            return "none" if self.role == "both" else "shared"
+        return self.kv_connector
 
     def __post_init__(self):
         parse_address(self.listen, "listen")
+        if self.role != "both" and self.kv_connector == "none":
+            raise ConfigError(
+                "kv_connector", f"a {self.role} worker hands KV over: set shared (or auto)"
+            )
+        _check_positive("kv_ttl_seconds", self.kv_ttl_seconds)
+        if not 0 <= self.kv_port < 65536:
+            raise ConfigError("kv_port", f"must be in 0..65535, got {self.kv_port}")
         if self.advertise is not None:
             parse_address(self.advertise, "advertise")
         for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch_size"):

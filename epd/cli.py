@@ -78,7 +78,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster = LocalCluster(
             config,
             num_encoders=args.encoders,
-            num_lm_workers=args.lm_workers,
+            num_lm_workers=(
+                args.lm_workers if args.lm_workers is not None else 0 if args.prefill_workers else 1
+            ),
+            num_prefill_workers=args.prefill_workers,
+            num_decode_workers=args.decode_workers,
             host=args.host,
             startup_timeout=args.startup_timeout,
             max_restarts=args.max_restarts,
@@ -170,6 +174,7 @@ BENCH_MODULES = (
     "epd.bench.proxy",
     "epd.bench.soak",
     "epd.bench.serve",
+    "epd.bench.pd",
 )
 
 
@@ -183,7 +188,18 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     up.add_argument("--grpc-port", type=int, help="proxy gRPC port (default 50051)")
     up.add_argument("--http-port", type=int, help="proxy HTTP port (default 8000)")
     up.add_argument("--encoders", type=int, default=1, help="encoder workers (default 1)")
-    up.add_argument("--lm-workers", type=int, default=1, help="LM workers (default 1)")
+    up.add_argument(
+        "--lm-workers",
+        type=int,
+        help="LM workers doing prefill and decode (default 1; 0 with the split below)",
+    )
+    up.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=0,
+        help="LM workers in the prefill role (with --decode-workers: the prefill / decode split)",
+    )
+    up.add_argument("--decode-workers", type=int, default=0, help="LM workers in the decode role")
     up.add_argument(
         "--redis-url",
         help="use this Redis instead of starting the embedded one (no password in it: "

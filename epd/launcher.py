@@ -80,6 +80,7 @@ class Role:
     name: str  # "encoder-0"
     kind: str  # "encoder" | "lm" | "proxy": the `epd` subcommand
     address: str  # where its gRPC server listens
+    env: dict[str, str] = field(default_factory=dict)  # its own settings (an LM worker's role)
     child: Child | None = None
     supervision: Supervision | None = None
 
@@ -96,8 +97,14 @@ class LocalCluster:
         host: str = "127.0.0.1",
         startup_timeout: float = 600.0,
         max_restarts: int = 5,
+        num_prefill_workers: int = 0,
+        num_decode_workers: int = 0,
     ):
-        if num_encoders < 1 or num_lm_workers < 1:
+        if (num_prefill_workers > 0) != (num_decode_workers > 0):
+            raise LaunchError(
+                "the prefill / decode split needs both: --prefill-workers N --decode-workers M"
+            )
+        if num_encoders < 1 or num_lm_workers + num_prefill_workers < 1:
             raise LaunchError("a cluster needs at least one encoder and one LM worker")
         self.config = config
         self.host = host
@@ -110,6 +117,11 @@ class LocalCluster:
         self.lm_workers = [
             Role(f"lm-{i}", "lm", f"127.0.0.1:{free_port()}") for i in range(num_lm_workers)
         ]
+        for role, n in (("prefill", num_prefill_workers), ("decode", num_decode_workers)):
+            self.lm_workers += [
+                Role(f"{role}-{i}", "lm", f"127.0.0.1:{free_port()}", {"EPD_LM_ROLE": role})
+                for i in range(n)
+            ]
         self.proxy = Role("proxy", "proxy", f"127.0.0.1:{config.proxy.grpc_port}")
         self.stopping = False
         self._wake = threading.Event()
@@ -191,7 +203,8 @@ class LocalCluster:
         argv = epd_command(
             role.kind, "--config", str(self.config_path), "--name", role.name, *extra
         )
-        role.child = Child(role.name, argv, env={**os.environ, **secret_env(self.config)})
+        env = {**os.environ, **secret_env(self.config), **role.env}
+        role.child = Child(role.name, argv, env=env)
 
     def _status(self, role: Role) -> str:
         """A role's health: grpc.health.v1 (over the cluster's mTLS for workers); the proxy's

@@ -85,10 +85,12 @@ class LMEngine:
         emit: Emit | None = None,
         registry: CollectorRegistry | None = REGISTRY,
         linear_kernel: str = "",
+        kv_connector=None,  # lm_worker.kv_connector.KVConnector
     ):
         self.runner = runner
         self.scheduler = scheduler
         self.scheduler.is_ready = runner.is_ready
+        self.kv = self.scheduler.kv = kv_connector
         self.sampler = Sampler()
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -298,6 +300,8 @@ class LMEngine:
     def execute(self, batch: ScheduledBatch) -> None:
         """Run one scheduled batch: inputs, embeddings, forward, sample, outputs."""
         inputs = self.runner.prepare_inputs(batch)
+        if self.kv is not None:  # blocks a remote holds, into the cache before they are read
+            self.kv.load_kv(self.runner.attention.kv_cache)
         mm_embeds, is_mm_embed = self.runner.gather_mm_embeddings(inputs)
         logits = self.runner.forward(inputs, mm_embeds, is_mm_embed)
         sampled = self.sampler(logits, inputs.sampling_requests)
@@ -318,6 +322,8 @@ class LMEngine:
             if request.first_scheduled is None:
                 request.first_scheduled = now
             self.scheduler.blocks.commit_full_blocks(request)
+        if self.kv is not None:  # the step's new blocks out, before a finish frees them
+            self.kv.save_kv(batch.requests, self.runner.attention.kv_cache)
 
         outputs = []
         for request, token in zip(inputs.sampling_requests, sampled, strict=True):
@@ -446,6 +452,8 @@ class LMEngine:
         """End a request: free its blocks and embeddings, complete its last output."""
         self.scheduler.finish(request, reason)
         self.runner.remove_request(request.request_id)
+        if self.kv is not None:
+            self.kv.request_finished(request.request_id)
         live = self.live.pop(request.request_id, None)
         self.metrics.requests.labels(reason).inc()
         if live is None:

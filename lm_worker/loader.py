@@ -10,10 +10,13 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.config import LMConfig, cache_dir
 from common.device import resolve_device
+from connector.kv import KVStore
+from connector.kv_stream import KVInbox, KVSender
 from lm_worker.attention import PagedAttention
 from lm_worker.block_manager import BlockManager
 from lm_worker.cpu_kernels import choose_linear_kernel, use_kernel
 from lm_worker.engine import Emit, LMEngine
+from lm_worker.kv_connector import SharedKVConnector
 from lm_worker.model_runner import ModelRunner
 from lm_worker.scheduler import Scheduler
 from models import ModelFamily
@@ -30,6 +33,8 @@ def build_engine(
     emit: Emit | None = None,
     registry: CollectorRegistry | None = REGISTRY,
     pad_decodes: bool = False,
+    kv_store: KVStore | None = None,
+    kv_direct: tuple[KVSender, KVInbox] | None = None,
 ) -> LMEngine:
     """Load the family's LM, size the KV cache, capture graphs. `pad_decodes` is for tests
     (graph-shaped inputs run eagerly on the CPU)."""
@@ -81,6 +86,13 @@ def build_engine(
     runner.dummy_run(1)  # warm-up: kernels and allocator settle before the first request
     blocks = BlockManager(num_blocks, lm.block_size, lm.enable_prefix_caching)
     scheduler = Scheduler(blocks, lm.max_num_seqs, lm.max_num_batched_tokens)
+    kv = None
+    if kv_store is not None:
+        block_shape = (text.num_layers, 2, lm.block_size, text.num_kv_heads, text.head_dim)
+        sender, inbox = kv_direct or (None, None)
+        kv = SharedKVConnector(
+            kv_store, lm.block_size, block_shape, dtype, registry, sender=sender, inbox=inbox
+        )
     return LMEngine(
         runner,
         scheduler,
@@ -91,6 +103,7 @@ def build_engine(
         emit=emit,
         registry=registry,
         linear_kernel=kernel,
+        kv_connector=kv,
     )
 
 

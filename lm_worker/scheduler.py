@@ -46,6 +46,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         # Realtime requests decode only once the embedding for their next position is there.
         self.is_ready = is_ready
+        self.kv = None  # the engine's KV connector (lm_worker/kv_connector.py), if any
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -98,11 +99,17 @@ class Scheduler:
                 break  # KV is short this step: no admissions
             request = self.waiting[0]
             cached = self.blocks.cached_prefix(request)
-            num_new = min(request.num_tokens - len(cached) * self.blocks.block_size, budget)
-            if not self.blocks.can_allocate(request, num_new, cached):
+            num_local = len(cached) * self.blocks.block_size
+            # Tokens a KV connector holds past the local prefix (loaded before the forward).
+            num_remote = self.kv.num_matched_tokens(request, num_local) if self.kv else 0
+            num_new = min(request.num_tokens - num_local - num_remote, budget)
+            if not self.blocks.can_allocate(request, num_remote + num_new, cached):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(request, num_new, cached)
+            self.blocks.allocate(request, num_remote + num_new, cached)
+            if self.kv is not None:
+                request.num_computed_tokens += num_remote
+                self.kv.on_allocated(request, num_local, num_remote)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = Status.RUNNING

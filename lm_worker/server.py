@@ -16,12 +16,14 @@ import uuid
 import grpc
 import numpy as np
 
-from common.config import ClusterConfig
+from common.config import ClusterConfig, parse_address
 from common.media import MODALITY_NAMES
 from common.served_model import resolve_model
 from common.server import RoleServer, Service, run_worker
 from common.tls import cluster_server_credentials
 from connector import AsyncECConnector, ConnectorError, wait_until_reachable
+from connector.kv import KVStore, peek_hash
+from connector.kv_stream import KVInbox, KVReceiver, KVSender
 from connector.registry import Heartbeat
 from lm_worker.engine import BadRequest, LMEngine, RequestOutput, deliver
 from lm_worker.loader import build_engine
@@ -182,6 +184,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         self.fetcher: EmbeddingFetcher | None = None
         self.connector: AsyncECConnector | None = None
         self.active: dict[str, _Active] = {}
+        self.kv_receiver: KVReceiver | None = None  # the direct KV path's listener
+        self.kv_address = ""
         self.stuck = False
         self._watchdog: asyncio.Task | None = None
 
@@ -197,7 +201,36 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         def emit(items):
             loop.call_soon_threadsafe(deliver, items)
 
-        self.engine = await asyncio.to_thread(build_engine, c.lm, served.family, served.dtype, emit)
+        kv_store = kv_direct = None
+        if c.lm.kv_tier in ("shared", "direct"):
+            options = c.connector.connector_options()
+            kv_store = KVStore(
+                options["url"],
+                served.fingerprint,
+                namespace=options["namespace"],
+                ttl_seconds=c.lm.kv_ttl_seconds,
+                op_timeout=options["op_timeout"],
+                retries=options["retries"],
+                mode=options["mode"],
+            )
+        if c.lm.kv_tier == "direct":
+            inbox = KVInbox(c.lm.kv_inbox_bytes)
+            host = parse_address(c.lm.listen, "listen")[0]
+            self.kv_receiver = KVReceiver(host, c.lm.kv_port, inbox, peek_hash)
+            advertised = parse_address(c.lm.address, "advertise")[0]
+            if ":" in advertised:
+                advertised = f"[{advertised}]"
+            self.kv_address = f"{advertised}:{self.kv_receiver.port}"
+            kv_direct = (KVSender(c.connector.op_timeout_seconds), inbox)
+        self.engine = await asyncio.to_thread(
+            build_engine,
+            c.lm,
+            served.family,
+            served.dtype,
+            emit,
+            kv_store=kv_store,
+            kv_direct=kv_direct,
+        )
         self.engine.start()
         self.connector = AsyncECConnector(
             fingerprint=served.fingerprint, **c.connector.connector_options(local_tier=True)
@@ -239,6 +272,10 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             self._watchdog.cancel()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
+            if self.engine.kv is not None:
+                await asyncio.to_thread(self.engine.kv.close)
+        if self.kv_receiver is not None:
+            self.kv_receiver.close()
         if self.connector is not None:
             await self.connector.close()
 
@@ -296,6 +333,10 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                         )
                     )
                     return
+                if engine.kv is not None:  # the blocks the KV tier holds, off the engine
+                    await asyncio.to_thread(
+                        engine.kv.prefetch, req, request.kv_handover, request.kv_target
+                    )
                 req.arrival = time.monotonic()
                 engine.add_request(req, queue.put_nowait, embeddings)
                 live.in_engine = True
@@ -313,6 +354,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                     msg = to_response(out)
                     if out.finish_reason is not None:
                         finished = True
+                        if engine.kv is not None:  # a handover's blocks are all stored first
+                            await wait_saves(engine.kv, req.request_id)
                         msg.timings.embedding_wait_seconds = wait
                         msg.timings.total_seconds = time.monotonic() - started
                         if "time_to_first_token_seconds" in out.timings:
@@ -324,6 +367,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                         return
             finally:
                 self.active.pop(req.request_id, None)
+                if engine.kv is not None:
+                    engine.kv.pending_saves(req.request_id)  # not waited for: dropped
                 if live.fetch is not None:
                     live.fetch.cancel()
                 if not finished and live.in_engine:  # the client went away, or its deadline
@@ -349,9 +394,46 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         return epd_pb2.LMLoad(
             worker_id=self.name,
             waiting_for_embeddings=self.fetcher.waiting,
+            role=self.config.lm.role,
+            kv_tier=self.config.lm.kv_tier,
+            kv_address=self.kv_address,
             **load,
             **_fetches_by_tier(self.connector),
+            **kv_counters(self.engine.kv),
         )
+
+
+async def wait_saves(kv, request_id: str) -> None:
+    """Until the request's KV writes are done. A failed write is logged, not raised: the
+    blocks it held are recomputed by whoever looks for them."""
+    for future in kv.pending_saves(request_id):
+        try:
+            await asyncio.wrap_future(future)
+        except Exception as e:
+            logger.warning("%s: KV save failed (%s): readers recompute", request_id, e)
+
+
+def kv_counters(kv) -> dict[str, float]:
+    """The KV tier's counters as LMLoad's kv_* fields (none without a tier)."""
+    metrics = getattr(kv, "metrics", None)
+    if metrics is None:
+        return {}
+    counts = {}
+    for metric, label, field in (
+        (metrics.bytes, "sent", "kv_bytes_sent"),
+        (metrics.bytes, "received", "kv_bytes_received"),
+        (metrics.blocks, "pulled", "kv_blocks_pulled"),
+        (metrics.blocks, "corrupt", "kv_blocks_corrupt"),
+    ):
+        for sample in metric.collect()[0].samples:
+            if sample.name.endswith("_total") and label in sample.labels.values():
+                counts[field] = int(sample.value)
+    counts["kv_send_seconds"] = sum(
+        s.value
+        for s in metrics.seconds.collect()[0].samples
+        if s.name.endswith("_sum") and s.labels["op"] in ("save", "send")
+    )
+    return counts
 
 
 def _fetches_by_tier(connector: AsyncECConnector) -> dict[str, int]:

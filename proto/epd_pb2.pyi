@@ -456,7 +456,7 @@ class MMFeature(_message.Message):
     def __init__(self, mm_hash: _Optional[str] = ..., modality: _Optional[_Union[Modality, str]] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., is_embed: _Optional[_Iterable[bool]] = ..., grid: _Optional[_Union[GridTHW, _Mapping]] = ..., second_per_grid_t: _Optional[float] = ...) -> None: ...
 
 class LMGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "mm_features", "sampling", "realtime_session_id", "resumed_output_tokens", "resumed_text_chars")
+    __slots__ = ("request_id", "prompt_token_ids", "mm_features", "sampling", "realtime_session_id", "resumed_output_tokens", "resumed_text_chars", "kv_handover", "kv_target")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MM_FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -464,6 +464,8 @@ class LMGenerateRequest(_message.Message):
     REALTIME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDOVER_FIELD_NUMBER: _ClassVar[int]
+    KV_TARGET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     mm_features: _containers.RepeatedCompositeFieldContainer[MMFeature]
@@ -471,7 +473,9 @@ class LMGenerateRequest(_message.Message):
     realtime_session_id: str
     resumed_output_tokens: int
     resumed_text_chars: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Iterable[_Union[MMFeature, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., realtime_session_id: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ..., resumed_text_chars: _Optional[int] = ...) -> None: ...
+    kv_handover: bool
+    kv_target: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Iterable[_Union[MMFeature, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., realtime_session_id: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ..., resumed_text_chars: _Optional[int] = ..., kv_handover: _Optional[bool] = ..., kv_target: _Optional[str] = ...) -> None: ...
 
 class LMGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "timings", "missing_mm_hashes")
@@ -492,7 +496,7 @@ class LMGenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., missing_mm_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LMLoad(_message.Message):
-    __slots__ = ("worker_id", "running_requests", "waiting_requests", "running_tokens", "waiting_tokens", "kv_blocks_used", "kv_blocks_total", "tokens_per_second", "waiting_for_embeddings", "ec_local_hits", "ec_local_misses", "ec_redis_hits", "ec_redis_misses", "batch_size", "max_model_len")
+    __slots__ = ("worker_id", "running_requests", "waiting_requests", "running_tokens", "waiting_tokens", "kv_blocks_used", "kv_blocks_total", "tokens_per_second", "waiting_for_embeddings", "ec_local_hits", "ec_local_misses", "ec_redis_hits", "ec_redis_misses", "batch_size", "max_model_len", "role", "kv_tier", "kv_bytes_sent", "kv_bytes_received", "kv_blocks_pulled", "kv_blocks_corrupt", "kv_address", "kv_send_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -508,6 +512,14 @@ class LMLoad(_message.Message):
     EC_REDIS_MISSES_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running_requests: int
     waiting_requests: int
@@ -523,4 +535,12 @@ class LMLoad(_message.Message):
     ec_redis_misses: int
     batch_size: float
     max_model_len: int
-    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., waiting_for_embeddings: _Optional[int] = ..., ec_local_hits: _Optional[int] = ..., ec_local_misses: _Optional[int] = ..., ec_redis_hits: _Optional[int] = ..., ec_redis_misses: _Optional[int] = ..., batch_size: _Optional[float] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    role: str
+    kv_tier: str
+    kv_bytes_sent: int
+    kv_bytes_received: int
+    kv_blocks_pulled: int
+    kv_blocks_corrupt: int
+    kv_address: str
+    kv_send_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., waiting_for_embeddings: _Optional[int] = ..., ec_local_hits: _Optional[int] = ..., ec_local_misses: _Optional[int] = ..., ec_redis_hits: _Optional[int] = ..., ec_redis_misses: _Optional[int] = ..., batch_size: _Optional[float] = ..., max_model_len: _Optional[int] = ..., role: _Optional[str] = ..., kv_tier: _Optional[str] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_blocks_pulled: _Optional[int] = ..., kv_blocks_corrupt: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_send_seconds: _Optional[float] = ...) -> None: ...

@@ -29,7 +29,9 @@ Everything is bounded: an hour of traffic or 50 workers cost what 15 minutes and
                                    waiting_tokens, kv_blocks_used, kv_blocks_total, kv_usage,
                                    tokens_per_second, waiting_for_embeddings, batch_size,
                                    ec_local_hits, ec_local_misses, ec_redis_hits,
-                                   ec_redis_misses}}],
+                                   ec_redis_misses, role, kv_tier, kv_bytes_sent,
+                                   kv_bytes_received, kv_blocks_pulled,
+                                   kv_blocks_corrupt, kv_address}}],
       "cache": {
         "tiers": {"proxy": {"hits": 1, "misses": 1, "hit_rate": 0.5},      # has-check
                   "lm_local": {...}, "redis": {...}},    # LM workers' fetches (null rate: none)
@@ -98,6 +100,10 @@ SERIES = (
     "deduplicated",
     "kv_usage",  # KV blocks used / total, over the LM workers that are up
     "lm_batch",  # mean requests per step, LM workers that are up
+    "kv_sent",  # KV bytes per second into / out of the KV tier, summed over the LM workers
+    "kv_received",
+    "prefill_queue",  # waiting requests on prefill-role / decode-role LM workers
+    "decode_queue",
     "encoder_busy",  # mean tower busy fraction, encoders that are up
     "encoder_batch",  # mean items per forward, encoders that are up
     "workers_up",
@@ -125,6 +131,14 @@ LM_LOAD = (
     "ec_local_misses",
     "ec_redis_hits",
     "ec_redis_misses",
+    "role",
+    "kv_tier",
+    "kv_bytes_sent",
+    "kv_bytes_received",
+    "kv_blocks_pulled",
+    "kv_blocks_corrupt",
+    "kv_address",
+    "kv_send_seconds",
 )
 
 
@@ -211,6 +225,7 @@ class Dashboard:
             "requests": _counts(m.requests),  # (api, status) -> total
             "items": {k[0]: v for k, v in _counts(m.mm_items).items()},  # result -> total
             "reencodes": sum(_counts(m.reencodes).values()),
+            "kv": _kv_totals(proxy),
         }
 
     def sample(self, now: float | None = None) -> None:
@@ -251,6 +266,11 @@ class Dashboard:
         kv_total = sum(x.kv_blocks_total for x in lms)
         values["kv_usage"] = sum(x.kv_blocks_used for x in lms) / kv_total if kv_total else None
         values["lm_batch"] = _mean(x.batch_size for x in lms)
+        for name in ("sent", "received"):
+            moved = counters["kv"][name] - last["kv"][name]
+            values[f"kv_{name}"] = max(moved, 0) / dt  # a restarted worker counts from 0
+        for role in ("prefill", "decode"):
+            values[f"{role}_queue"] = sum(x.waiting_requests for x in lms if x.role == role)
         values["encoder_busy"] = _mean(x.busy_fraction for x in encoders)
         values["encoder_batch"] = _mean(x.batch_items for x in encoders)
         values["workers_up"] = sum(
@@ -424,6 +444,15 @@ class Dashboard:
         return web.json_response(self.state(since_t), headers={"Cache-Control": "no-store"})
 
 
+def _kv_totals(proxy: Proxy) -> dict[str, int]:
+    """KV bytes the LM workers that are up sent to / received from the KV tier so far."""
+    loads = [w.load for w in proxy.lms.workers.values() if w.up and w.load is not None]
+    return {
+        "sent": sum(x.kv_bytes_sent for x in loads),
+        "received": sum(x.kv_bytes_received for x in loads),
+    }
+
+
 def _mean(values) -> float | None:
     values = list(values)
     return sum(values) / len(values) if values else None
@@ -435,7 +464,7 @@ def _worker(w: Worker, now: float) -> dict[str, Any]:
     if w.load is not None:
         names = ENCODER_LOAD if w.role == "encoder" else LM_LOAD
         values = {name: getattr(w.load, name) for name in names}
-        load = {k: v if isinstance(v, int) else _r(v) for k, v in values.items()}
+        load = {k: v if isinstance(v, (int, str)) else _r(v) for k, v in values.items()}
         if w.role == "lm":
             total = w.load.kv_blocks_total
             load["kv_usage"] = _r(w.load.kv_blocks_used / total) if total else None

@@ -29,6 +29,7 @@ from connector import AsyncECConnector, ConnectorError
 from proto import epd_pb2
 from proxy.encode import RETRYABLE, EncodeDispatcher, Unavailable, backoff
 from proxy.metrics import ProxyMetrics
+from proxy.pd import PREFILL, PDRouter
 from proxy.prepare import BadInput, PreparedRequest
 from proxy.workers import Worker, WorkerPool
 
@@ -90,6 +91,7 @@ class Frontend:
         self.metrics = metrics
         self.retries = retries
         self.dispatcher = EncodeDispatcher(encoders, metrics, retries, connector, mark_ttl)
+        self.pd = PDRouter(lms)
         self.encode_timeout = encode_timeout
         # Client request id -> the requests running under it. Clients' ids may collide; each
         # LM call gets a unique id, so every one of them stays abortable.
@@ -213,7 +215,10 @@ class Frontend:
         sent: list[int] = []  # output token ids the client has been sent
         sent_chars = 0  # characters of text the client has been sent
         tried: set[str] = set()
-        for attempt in range(self.retries):
+        attempt = -1
+        target = None  # the decode worker a prefill stage sent its KV to (direct KV)
+        while attempt + 1 < self.retries:
+            attempt += 1
             if running.aborted:  # aborted while it migrated
                 usage = epd_pb2.Usage(
                     prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(sent)
@@ -221,12 +226,16 @@ class Frontend:
                 finish = epd_pb2.FINISH_REASON_ABORT
                 yield Chunk(finish_reason=finish, usage=usage, timings=epd_pb2.StageTimings())
                 return
-            worker = self.lms.pick(exclude=tried) or self.lms.pick()
+            lm_id = f"{req.request_id}@{uuid.uuid4().hex[:12]}"
+            msg = self._lm_message(req, lm_id, sent, sent_chars)
+            stage = self.pd.stage(msg, sent)  # prefill / decode split (proxy/pd.py)
+            worker = self.pd.pick(stage, tried, target) if stage else None
+            worker = worker or self.lms.pick(exclude=tried) or self.lms.pick()
             if worker is None:
                 raise Unavailable("no LM worker is available")
             tried.add(worker.address)
-            lm_id = f"{req.request_id}@{uuid.uuid4().hex[:12]}"
-            msg = self._lm_message(req, lm_id, sent, sent_chars)
+            if stage == PREFILL:
+                target = self.pd.cap(msg)
             carried = len(sent)  # output tokens this call takes as prompt
             if msg.sampling.HasField("max_tokens") and msg.sampling.max_tokens < 1:
                 usage = epd_pb2.Usage(
@@ -239,8 +248,14 @@ class Frontend:
             worker.sent(tokens)
             running.call = (lm_id, worker)
             call = worker.stub.Generate(msg, timeout=max(deadline - time.monotonic(), 0.01))
+            handed_over = False
             try:
                 async for chunk in self._relay(call, req, deadline, encode_watch):
+                    if stage == PREFILL and self.pd.handed_over(worker, msg, chunk.finish_reason):
+                        # The first token goes out now; a decode worker streams the rest.
+                        handed_over = True
+                        chunk.finish_reason = epd_pb2.FINISH_REASON_UNSPECIFIED
+                        chunk.usage = chunk.timings = None
                     sent.extend(chunk.token_ids)
                     sent_chars += len(chunk.text)
                     if carried and chunk.usage is not None:  # counted as the client sees it
@@ -248,7 +263,10 @@ class Frontend:
                         chunk.usage.completion_tokens += carried
                     yield chunk
                 self.lms.succeeded(worker)
-                return
+                if not handed_over:
+                    return
+                self.metrics.handovers.inc()
+                attempt, tried = -1, set()  # the decode stage has its own retries
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
                 if isinstance(e, asyncio.CancelledError):
                     if asyncio.current_task().cancelling():

@@ -101,6 +101,11 @@ class ProxyMetrics:
             "Requests moved to another LM worker mid-stream (theirs failed after some output)",
             **kw,
         )
+        self.handovers = Counter(
+            "epd_pd_handovers_total",
+            "Requests handed from a prefill worker to a decode worker (prefill / decode split)",
+            **kw,
+        )
         self.ttft_window = LatencyWindow()
         self.itl_window = LatencyWindow()
 

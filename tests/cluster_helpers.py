@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import signal
 import time
@@ -40,7 +41,7 @@ def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> byt
 class Cluster:
     """`store`: a Redis the test started (an EmbeddedCluster, say), with `connector` settings
     to reach it in `sections`; by default the cluster starts (and stops) its own. `lms`: LM
-    workers (lm-0, lm-1, ...)."""
+    workers (lm-0, lm-1, ...); `lm_roles`: their lm.role, one each (default: all both)."""
 
     def __init__(
         self,
@@ -49,6 +50,7 @@ class Cluster:
         encoders: int = 2,
         store=None,
         lms: int = 1,
+        lm_roles: tuple[str, ...] = (),
         **sections,
     ):
         self.workdir = workdir
@@ -84,18 +86,23 @@ class Cluster:
         self.roles: dict[str, RoleProcess] = {}
         for i, address in enumerate(self.encoder_addresses):
             self.start("encoder", f"encoder-{i}", address)
+        self.lm_roles = tuple(lm_roles) or ("both",) * lms
+        assert len(self.lm_roles) == lms, "one role per LM worker"
         for i, address in enumerate(self.lm_addresses):
-            self.start("lm", f"lm-{i}", address)
+            self.start("lm", f"lm-{i}", address, env={"EPD_LM_ROLE": self.lm_roles[i]})
         self.start("proxy", "proxy", f"127.0.0.1:{self.proxy_grpc}")
         for role in self.roles.values():
             role.wait_status("SERVING", timeout=120)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.proxy_grpc}")
         self.stub = epd_pb2_grpc.InferenceStub(self.channel)
 
-    def start(self, kind: str, name: str, address: str) -> RoleProcess:
+    def start(
+        self, kind: str, name: str, address: str, env: dict[str, str] | None = None
+    ) -> RoleProcess:
         extra = [] if kind == "proxy" else ["--listen", address]
         argv = epd_command(kind, "--config", str(self.config_path), "--name", name, *extra)
-        role = self.roles[name] = RoleProcess(name, kind, address, Child(name, argv))
+        child = Child(name, argv, env={**os.environ, **env} if env else None)
+        role = self.roles[name] = RoleProcess(name, kind, address, child)
         return role
 
     def kill(self, name: str) -> None:

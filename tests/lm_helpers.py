@@ -34,8 +34,9 @@ def make_engine(checkpoint, family: ModelFamily | None = None, **lm) -> LMEngine
     lm.setdefault("max_num_seqs", 16)
     lm.setdefault("max_num_batched_tokens", 256)
     pad = lm.pop("pad_decodes", False)
+    kv = {k: lm.pop(k) for k in ("kv_store", "kv_direct") if k in lm}
     family = family or load_family(checkpoint)
-    return build_engine(LMConfig(**lm), family, torch.float32, registry=None, pad_decodes=pad)
+    return build_engine(LMConfig(**lm), family, torch.float32, registry=None, pad_decodes=pad, **kv)
 
 
 @dataclass

@@ -200,3 +200,30 @@ def test_bench_soak(tiny_checkpoint):
     assert summary["errors"] == 0, summary["intervals"]
     assert len(summary["intervals"]) >= 2
     assert set(summary["rss_growth_mib"]) >= {"proxy", "lm-0", "encoder-0", "redis"}
+
+
+def test_bench_pd(tiny_checkpoint):
+    summary = bench(
+        "pd",
+        "--model",
+        str(tiny_checkpoint),
+        "--topology",
+        "pd",
+        "--streams",
+        "2",
+        "--long-requests",
+        "2",
+        "--interval",
+        "0.2",
+        "--image-size",
+        "112",
+        "--raw-mb",
+        "4",
+    )
+    assert summary["bench"] == "pd"
+    (row,) = summary["results"]
+    assert row["topology"] == "pd" and row["short_requests"] > 0
+    assert row["long_ttft_ms"]["p99"] >= row["long_ttft_ms"]["p50"] > 0
+    # Every long prompt was handed over: its blocks went to the tier and were pulled.
+    assert row["kv_bytes_sent"] > 0 and row["kv_blocks_pulled"] > 0
+    assert all(v > 0 for v in summary["raw"].values())

@@ -347,6 +347,39 @@ def redis_cluster_compose_problems(data: dict) -> list[str]:
     return problems
 
 
+def test_compose_pd_override():
+    """The prefill / decode split: `lm` runs decode workers with more KV cache, `lm-prefill`
+    (the same service, extended) runs prefill workers; both pass the role checks."""
+    data = load_compose("compose.yaml", "compose.pd.yaml")
+    assert compose_problems(data) == []
+    services = data["services"]
+    assert services["lm"]["environment"]["EPD_LM_ROLE"] == "decode"
+    prefill = services["lm-prefill"]
+    assert prefill["extends"] == {"file": "compose.yaml", "service": "lm"}
+    assert prefill["environment"] == {"EPD_LM_ROLE": "prefill"}
+    extended = {**services["lm"], **prefill, "command": services["lm"]["command"]}
+    extended["environment"] = {**load_compose("compose.yaml")["services"]["lm"]["environment"],
+                               **prefill["environment"]}  # fmt: skip
+    with_prefill = copy.deepcopy(data)
+    with_prefill["services"]["lm"] = extended  # the prefill service under the role checks
+    assert compose_problems(with_prefill) == []
+
+
+def test_kubernetes_pd_overlay():
+    docs = render("overlays/pd")
+    deployments = {name_of(d): d for d in docs if d["kind"] == "Deployment"}
+    roles = {}
+    for name in ("Deployment/epd-lm", "Deployment/epd-lm-prefill"):
+        spec = deployments[name]["spec"]
+        (container,) = spec["template"]["spec"]["containers"]
+        role = container_env(container)["EPD_LM_ROLE"]["value"]
+        roles[name] = role
+        # Disjoint selectors: neither Deployment adopts the other's pods.
+        assert spec["selector"]["matchLabels"]["epd.dev/lm-role"] == role
+        assert spec["template"]["metadata"]["labels"]["epd.dev/lm-role"] == role
+    assert roles == {"Deployment/epd-lm": "decode", "Deployment/epd-lm-prefill": "prefill"}
+
+
 def test_compose_redis_cluster_override():
     data = load_compose("compose.yaml", "compose.redis-cluster.yaml")
     assert compose_problems(data) == []
@@ -652,6 +685,7 @@ def test_every_kustomization_is_checked():
         "overlays/cpu",
         "overlays/redis-cluster",
         "overlays/secure",
+        "overlays/pd",
         *GPU_RENDERS,
     }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,8 +17,10 @@ import grpc
 import psutil
 import pytest
 
+from common.config import load_config
 from common.health import health_status
 from common.process import epd_command, free_port, port_is_free
+from epd.launcher import LocalCluster
 from proto import epd_pb2, epd_pb2_grpc
 from tests.model_helpers import make_video
 
@@ -325,3 +328,26 @@ def test_up_redis_cluster_without_url_starts_an_embedded_cluster(up):
     cluster.proc.send_signal(signal.SIGINT)
     assert cluster.proc.wait(60) == 0
     assert_all_gone(children)
+
+
+def test_up_with_the_prefill_decode_split():
+    """The split's roles: LM workers named by role, each told its role in its environment (the
+    processes themselves are exercised by tests/test_pd_cluster.py)."""
+    cluster = LocalCluster(
+        load_config(None, environ={}), num_lm_workers=0, num_prefill_workers=1,
+        num_decode_workers=2,
+    )  # fmt: skip
+    try:
+        roles = {r.name: r.env.get("EPD_LM_ROLE") for r in cluster.lm_workers}
+        assert roles == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+        assert all(r.kind == "lm" for r in cluster.lm_workers)
+    finally:
+        shutil.rmtree(cluster.run_dir)
+
+
+def test_up_refuses_half_a_split():
+    result = subprocess.run(
+        epd_command("up", "--prefill-workers", "1"), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "--prefill-workers N --decode-workers M" in result.stderr

@@ -1,0 +1,204 @@
+"""The prefill / decode split on a real cluster: one prefill worker, two decode workers, the KV
+tier in the embedded Redis. Greedy tokens through P + D equal the reference's (text, one image,
+two images, prompts chunked on the prefill worker); a decode worker killed mid-stream loses no
+stream and repeats or skips no token."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+import redis
+
+from models.testing import ImageItem
+from proto import epd_pb2
+from tests.cluster_helpers import Cluster, image_bytes
+
+MAX_TOKENS = 12
+ROLES = ("prefill", "decode", "decode")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_checkpoint):
+    c = Cluster(
+        tmp_path_factory.mktemp("pd"),
+        tiny_checkpoint,
+        encoders=1,
+        lms=3,
+        lm_roles=ROLES,
+        # A budget of 16 tokens a step: every image prompt is prefilled in chunks.
+        lm={"block_size": 8, "max_num_seqs": 8, "max_num_batched_tokens": 16},
+        proxy={"retries": 4},
+    )
+    wait_roles(c)
+    yield c
+    c.stop()
+
+
+def wait_roles(cluster: Cluster, count: int = 3, timeout: float = 30) -> dict[str, dict]:
+    """Until the proxy has `count` LM workers' loads (with their roles): address -> load."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, state = cluster.http("/dashboard/state")
+        loads = {
+            w["address"]: w["load"]
+            for w in state["workers"]
+            if w["role"] == "lm" and w["health"] == "SERVING" and w["load"]
+        }
+        if len(loads) >= count:
+            return loads
+        assert time.monotonic() < deadline, state["workers"]
+        time.sleep(0.1)
+
+
+def expected(ref, text: str, images=(), max_tokens: int = MAX_TOKENS) -> list[int]:
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    return ref.generate(
+        [{"role": "user", "content": content}],
+        [ImageItem(b) for b in images],
+        max_tokens=max_tokens,
+        ignore_eos=True,
+    )
+
+
+def kv_loads(cluster: Cluster, count: int = 3) -> dict[str, dict]:
+    """The LM workers' roles and KV counters, as the proxy last polled them, by role name."""
+    loads = wait_roles(cluster, count)
+    return {
+        f"{ROLES[i]}-{i}": loads[address]
+        for i, address in enumerate(cluster.lm_addresses)
+        if address in loads
+    }
+
+
+def test_roles_are_reported(cluster):
+    loads = kv_loads(cluster)
+    assert [load["role"] for load in loads.values()] == list(ROLES)
+    assert {load["kv_tier"] for load in loads.values()} == {"shared"}
+
+
+@pytest.mark.parametrize(
+    "text,images",
+    [
+        ("Tell me a story about the sea", ()),
+        ("What is in this picture?", (image_bytes(64, 48, 1),)),
+        ("Compare the two", (image_bytes(56, 56, 2), image_bytes(48, 80, 3))),
+    ],
+    ids=["text", "image", "two-images"],
+)
+def test_prefill_then_decode_equals_the_reference(cluster, tiny_ref, text, images):
+    handovers = cluster.metric("epd_pd_handovers_total")
+    tokens, last = cluster.generate(text, images, max_tokens=MAX_TOKENS)
+    assert tokens == expected(tiny_ref, text, images)
+    assert last.finish_reason == epd_pb2.FINISH_REASON_LENGTH
+    # The client's usage counts the handed-over token as output, not prompt.
+    assert last.usage.completion_tokens == MAX_TOKENS
+    assert cluster.metric("epd_pd_handovers_total") == handovers + 1
+    # The decode worker took the whole prompt from the KV tier.
+    assert last.usage.cached_prompt_tokens == last.usage.prompt_tokens
+
+
+def test_one_token_requests_stay_on_one_worker(cluster, tiny_ref):
+    handovers = cluster.metric("epd_pd_handovers_total")
+    tokens, _ = cluster.generate("Just one", max_tokens=1)
+    assert tokens == expected(tiny_ref, "Just one", max_tokens=1)
+    assert cluster.metric("epd_pd_handovers_total") == handovers
+
+
+def test_kill_9_of_a_decode_worker_mid_stream_loses_no_stream(cluster, tiny_ref):
+    """Six long streams over two decode workers; one decode worker is killed once every stream
+    has output. Each stream completes token-identical to the reference: its new decode worker
+    re-prefills from the KV tier (prompt and the blocks already decoded)."""
+    max_tokens = 200
+    texts = [f"Tell me about number {i} at length" for i in range(6)]
+    want = [expected(tiny_ref, t, max_tokens=max_tokens) for t in texts]
+    results: list[list[int]] = [[] for _ in texts]
+    errors: list[str] = []
+    done = [False] * len(texts)
+
+    def stream(i: int) -> None:
+        request = epd_pb2.GenerateRequest(
+            sampling=epd_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        )
+        request.chat.messages.add(role="user", content=[epd_pb2.ContentPart(text=texts[i])])
+        try:
+            for response in cluster.stub.Generate(request, timeout=90):
+                results[i].extend(response.token_ids)
+        except grpc.RpcError as e:
+            errors.append(f"{e.code().name}: {e.details()}")
+        done[i] = True
+
+    migrations = cluster.metric("epd_migrations_total")
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(len(r) >= 20 or d for r, d in zip(results, done, strict=True)):
+        assert time.monotonic() < deadline, "the load never got going"
+        time.sleep(0.005)
+    assert not all(done), "every stream finished before the kill"
+    cluster.kill("lm-1")
+    for t in threads:
+        t.join(100)
+    assert not errors, errors
+    for got, exp in zip(results, want, strict=True):
+        assert got == exp
+    assert cluster.metric("epd_migrations_total") > migrations
+    # The survivor pulled blocks from the tier for the migrated streams.
+    time.sleep(0.5)  # a load poll after the streams ended
+    assert kv_loads(cluster, count=2)["decode-2"]["kv_blocks_pulled"] > 0
+
+
+def test_a_prefill_worker_dying_before_its_handover_is_retried(cluster, tiny_ref):
+    """The prefill worker is frozen with a request in it, then killed: the proxy retries the
+    request (no token was sent) on a worker still up, and the client sees the reference's
+    tokens. Runs after the decode worker's kill: the cluster is down to one decode worker."""
+    retries = cluster.metric("epd_retries_total", role="lm")
+    cluster.roles["lm-0"].child.signal(signal.SIGSTOP)
+    out: dict = {}
+
+    def call() -> None:
+        out["tokens"], out["last"] = cluster.generate("A frozen prefill", max_tokens=6)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    time.sleep(0.5)  # the call is in the frozen worker's socket
+    cluster.kill("lm-0")
+    thread.join(60)
+    assert out["tokens"] == expected(tiny_ref, "A frozen prefill", max_tokens=6)
+    assert cluster.metric("epd_retries_total", role="lm") > retries
+
+
+def test_direct_kv_path(tmp_path, tiny_checkpoint, tiny_ref):
+    """lm.kv_connector direct: the proxy picks the decode worker before the prefill, and the
+    prompt's blocks go straight to it; Redis holds none of them."""
+    c = Cluster(
+        tmp_path,
+        tiny_checkpoint,
+        encoders=1,
+        lms=2,
+        lm_roles=("prefill", "decode"),
+        lm={"block_size": 8, "max_num_seqs": 8, "kv_connector": "direct"},
+    )
+    try:
+        loads = wait_roles(c, count=2)
+        assert all(load["kv_tier"] == "direct" for load in loads.values())
+        decode_address = loads[c.lm_addresses[1]]["kv_address"]
+        assert decode_address.startswith("127.0.0.1:")
+        images = (image_bytes(64, 48, 7),)
+        tokens, last = c.generate("What is in this picture?", images, max_tokens=4)
+        assert tokens == expected(tiny_ref, "What is in this picture?", images, max_tokens=4)
+        assert last.usage.cached_prompt_tokens == last.usage.prompt_tokens
+        prompt_blocks = -(-last.usage.prompt_tokens // 8)
+        with redis.Redis.from_url(c.redis.url) as client:
+            stored = sum(1 for _ in client.scan_iter("*:kv:*"))
+        assert stored < prompt_blocks  # (the decode worker saves the blocks it fills)
+        time.sleep(0.5)
+        loads = wait_roles(c, count=2)
+        assert loads[c.lm_addresses[0]]["kv_bytes_sent"] > 0
+        assert loads[c.lm_addresses[1]]["kv_blocks_pulled"] == prompt_blocks
+    finally:
+        c.stop()
