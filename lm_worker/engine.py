@@ -88,7 +88,7 @@ class LMEngine:
     ):
         self.runner = runner
         self.scheduler = scheduler
-        self.scheduler.is_ready = runner.is_ready
+        self.scheduler.is_ready = self._is_ready
         self.sampler = Sampler()
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -98,6 +98,9 @@ class LMEngine:
         self.emit = emit or deliver
         self.metrics = EngineMetrics(registry)
         self.live: dict[str, _Live] = {}
+        # Realtime requests whose prompt positions' embeddings are not all in yet, by session:
+        # they enter the scheduler once they are (a prefill never runs short of its rows).
+        self.parked: dict[str, Request] = {}
         self.tokens_generated = 0
         self._inbox: list[Callable[[], None]] = []
         self._cv = threading.Condition()
@@ -165,6 +168,10 @@ class LMEngine:
     def append_realtime(self, session_id: str, rows: torch.Tensor, closed: bool = False) -> None:
         """More per-position embeddings of a realtime session (wakes requests waiting on it)."""
         self._submit(lambda: self._append_realtime(session_id, rows, closed))
+
+    def end_realtime(self, session_id: str) -> None:
+        """Drop a realtime session's rows (its request is gone, or never came)."""
+        self._submit(lambda: self.runner.realtime.pop(session_id, None))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="lm-engine", daemon=True)
@@ -365,7 +372,29 @@ class LMEngine:
             request.num_tokens
         ):
             return "stop"  # every audio position is consumed
+        if request.realtime_session is not None:
+            if request.num_tokens >= end:
+                return "length"  # the session's positions (its longest audio) are used up
+            if self._realtime_ended(request):
+                return "stop"  # the audio ended and every position of it is consumed
         return None
+
+    def _realtime_ended(self, request: Request) -> bool:
+        """The session's audio has ended and its last position is consumed: the last token
+        sampled sits at the last position (as a whole clip's transcription ends)."""
+        stream = self.runner.realtime.get(request.realtime_session)
+        if stream is None or not stream.closed:
+            return False
+        offset = next(
+            (f.offset for f in request.mm_features if f.mm_hash == request.realtime_session), 0
+        )
+        return request.num_tokens >= offset + stream.count
+
+    def _is_ready(self, request: Request) -> bool:
+        ready = self.runner.is_ready(request)
+        if not ready:
+            self.metrics.realtime_waits.inc()
+        return ready
 
     def _detokenize(self, live: _Live, token_id: int, final: bool) -> tuple[str, bool]:
         """The text to release now, and whether a stop string ended the request."""
@@ -408,6 +437,9 @@ class LMEngine:
             self.metrics.embedding_misses.inc(len(missing))
             self._finish(request, "error", error=f"embeddings not provided: {missing}")
             return
+        if request.realtime_session is not None and not self.runner.is_ready(request):
+            self.parked[request.realtime_session] = request
+            return
         self.scheduler.add(request)
 
     def _abort(self, request_id: str) -> None:
@@ -420,13 +452,14 @@ class LMEngine:
         if rows.numel():
             stream.append(rows)
         stream.closed = stream.closed or closed
+        parked = self.parked.get(session_id)
+        if parked is not None and self.runner.is_ready(parked):
+            del self.parked[session_id]
+            self.scheduler.add(parked)
         # A request whose audio ended before its next position has nothing more to read.
-        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
-            if (
-                request.realtime_session == session_id
-                and stream.closed
-                and not self.runner.is_ready(request)
-            ):
+        requests = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for request in requests + list(self.parked.values()):
+            if request.realtime_session == session_id and self._realtime_ended(request):
                 self._finish(request, "stop")
 
     def _finish(
@@ -441,6 +474,9 @@ class LMEngine:
         """End a request: free its blocks and embeddings, complete its last output."""
         self.scheduler.finish(request, reason)
         self.runner.remove_request(request.request_id)
+        if request.realtime_session is not None:
+            self.runner.realtime.pop(request.realtime_session, None)
+            self.parked.pop(request.realtime_session, None)
         live = self.live.pop(request.request_id, None)
         self.metrics.requests.labels(reason).inc()
         if live is None:

@@ -23,8 +23,10 @@ from common.server import RoleServer, Service, run_worker
 from common.tls import cluster_server_credentials
 from connector import AsyncECConnector, ConnectorError, wait_until_reachable
 from connector.registry import Heartbeat
+from connector.streams import SessionStreams
 from lm_worker.engine import BadRequest, LMEngine, RequestOutput, deliver
 from lm_worker.loader import build_engine
+from lm_worker.realtime import RealtimeFeeder, TooManySessions
 from lm_worker.request import Request
 from models import EmbeddingMismatch, LoadedEmbedding, MMFeature, SamplingParams
 from proto import epd_pb2, epd_pb2_grpc
@@ -122,7 +124,12 @@ class EmbeddingFetcher:
     async def fetch(self, request: Request, report) -> dict[str, LoadedEmbedding]:
         """{mm_hash: tensor on the engine's device}. `report(hashes)` is awaited with each
         set of hashes newly found missing. Raises TimeoutError after `timeout` seconds."""
-        needed = {f.mm_hash: f.num_embeds for f in request.mm_features}
+        # A realtime session's rows come through its stream (lm_worker/realtime.py).
+        needed = {
+            f.mm_hash: f.num_embeds
+            for f in request.mm_features
+            if f.mm_hash != request.realtime_session
+        }
         found: dict[str, LoadedEmbedding] = {}
         reported: set[str] = set()
         deadline = time.monotonic() + self.timeout
@@ -174,6 +181,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         self.engine: LMEngine | None = None
         self.fetcher: EmbeddingFetcher | None = None
         self.connector: AsyncECConnector | None = None
+        self.streams: SessionStreams | None = None
+        self.feeder: RealtimeFeeder | None = None
         self.active: dict[str, _Active] = {}
         self.stuck = False
         self._watchdog: asyncio.Task | None = None
@@ -196,6 +205,10 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             fingerprint=served.fingerprint, **c.connector.connector_options(local_tier=True)
         )
         self.fetcher = EmbeddingFetcher(self.connector, self.engine, c.lm.embedding_timeout_seconds)
+        options = c.connector.connector_options()
+        options.pop("local_tier_bytes")
+        self.streams = SessionStreams(**options)
+        self.feeder = RealtimeFeeder(self.streams, self.engine, c.lm.max_realtime_sessions)
         self._watchdog = asyncio.create_task(self.watch_steps(c.lm.step_timeout_seconds))
 
     async def watch_steps(self, timeout: float, every: float = 1.0) -> None:
@@ -234,32 +247,44 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             await asyncio.to_thread(self.engine.stop)
         if self.connector is not None:
             await self.connector.close()
+        if self.streams is not None:
+            await self.streams.close()
 
     async def Generate(self, request: epd_pb2.LMGenerateRequest, context):
         async with self.role.work(context):
             engine = self.engine
-            if request.realtime_session_id:
-                await context.abort(
-                    grpc.StatusCode.UNIMPLEMENTED,
-                    "realtime sessions are not implemented in this build (they land with the "
-                    "realtime audio encoder)",
-                )
+            session = request.realtime_session_id or None
             try:
                 req = to_request(request)
+                if session is not None:
+                    self.streams.key(session)  # a usable id
+                    req.realtime_session = session
+                    if session not in req.mm_hashes:
+                        raise BadRequest(
+                            f"realtime session {session}: no mm_feature names it (its "
+                            "positions, from where its audio starts)"
+                        )
                 engine.validate(req)
-            except BadRequest as e:
+            except (BadRequest, ValueError) as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             if req.request_id in self.active:
                 await context.abort(
                     grpc.StatusCode.ALREADY_EXISTS, f"request {req.request_id} is already running"
                 )
+            if session is not None:
+                try:
+                    self.feeder.reserve(session)
+                except TooManySessions as e:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                except ValueError as e:
+                    await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             started = time.monotonic()
             live = self.active[req.request_id] = _Active()
             queue = live.queue
             finished = False
             try:
                 embeddings = {}
-                if req.mm_features:
+                if any(f.mm_hash != session for f in req.mm_features):
 
                     async def report(hashes: list[str]) -> None:
                         await context.write(epd_pb2.LMGenerateResponse(missing_mm_hashes=hashes))
@@ -292,6 +317,14 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                 req.arrival = time.monotonic()
                 engine.add_request(req, queue.put_nowait, embeddings)
                 live.in_engine = True
+                if session is not None:
+
+                    def stream_failed(error: str, request_id: str = req.request_id) -> None:
+                        queue.put_nowait(
+                            RequestOutput(request_id, finish_reason="error", error=error)
+                        )
+
+                    self.feeder.start(session, stream_failed)
                 while True:
                     out: RequestOutput = await queue.get()
                     if out.finish_reason == "error":
@@ -321,6 +354,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                     live.fetch.cancel()
                 if not finished and live.in_engine:  # the client went away, or its deadline
                     engine.abort(req.request_id)
+                if session is not None:
+                    await self.feeder.stop(session)
 
     async def Abort(self, request: epd_pb2.AbortRequest, context) -> epd_pb2.AbortResponse:
         """Abort a request in any state: waiting for its embeddings (the wait is cancelled and
