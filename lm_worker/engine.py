@@ -146,6 +146,13 @@ class LMEngine:
                 f"the prompt needs {need} KV blocks; this worker has {blocks.num_usable}"
             )
 
+    @property
+    def realtime_capacity(self) -> int:
+        """The most positions a realtime session can run to here (context and KV cache): a
+        session's audio past it ends its request with "length"."""
+        blocks = self.scheduler.blocks
+        return min(self.max_model_len, blocks.num_usable * blocks.block_size)
+
     def load_embedding(
         self, mm_hash: str, tensor: torch.Tensor, num_embeds: int
     ) -> LoadedEmbedding:
@@ -448,6 +455,8 @@ class LMEngine:
             self._finish(live.request, "abort")
 
     def _append_realtime(self, session_id: str, rows: torch.Tensor, closed: bool) -> None:
+        if not any(live.request.realtime_session == session_id for live in self.live.values()):
+            return  # its request has ended (or never came): nothing will read the rows
         stream = self.runner.realtime_stream(session_id)
         if rows.numel():
             stream.append(rows)

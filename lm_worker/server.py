@@ -9,6 +9,7 @@ away aborts the request in the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -264,6 +265,12 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                             f"realtime session {session}: no mm_feature names it (its "
                             "positions, from where its audio starts)"
                         )
+                    req.mm_features = [
+                        dataclasses.replace(f, length=min(f.length, engine.realtime_capacity))
+                        if f.mm_hash == session
+                        else f
+                        for f in req.mm_features
+                    ]
                 engine.validate(req)
             except (BadRequest, ValueError) as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -377,6 +384,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         return epd_pb2.LMLoad(
             worker_id=self.name,
             waiting_for_embeddings=self.fetcher.waiting,
+            realtime_sessions=self.feeder.open,
+            realtime_rows=sum(s.count for s in list(self.engine.runner.realtime.values())),
             **load,
             **_fetches_by_tier(self.connector),
         )

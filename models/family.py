@@ -284,6 +284,14 @@ class ModelFamily(ABC):
         it, take the session's streamed embeddings in order (from position 0)."""
         raise MediaError(f"{self.architecture} does not take realtime audio sessions")
 
+    def realtime_positions(self, seconds: float) -> int:
+        """LM positions a realtime session with `seconds` of audio fills, padding included."""
+        raise MediaError(f"{self.architecture} does not take realtime audio sessions")
+
+    def realtime_audio_seconds(self, num_positions: int) -> float:
+        """Seconds of the client's audio that a session's first `num_positions` cover."""
+        raise MediaError(f"{self.architecture} does not take realtime audio sessions")
+
     @abstractmethod
     def fingerprint(self, dtype: torch.dtype) -> str:
         """A short id of everything that decides the encoders' outputs (checkpoint, processor

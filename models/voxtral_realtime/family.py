@@ -229,6 +229,14 @@ class VoxtralRealtimeFamily(ModelFamily):
             self.streaming.n_left_pad_tokens, self.num_delay_tokens
         )
 
+    def realtime_positions(self, seconds: float) -> int:
+        return audio.num_positions(round(seconds * self.features.sampling_rate), self.streaming)
+
+    def realtime_audio_seconds(self, num_positions: int) -> float:
+        s = self.streaming
+        covered = max(0, num_positions - s.n_left_pad_tokens) * s.samples_per_token
+        return covered / self.features.sampling_rate
+
     def fingerprint(self, dtype: torch.dtype) -> str:
         settings = {
             "code": EMBEDDING_CODE_VERSION,
