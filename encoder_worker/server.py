@@ -127,11 +127,11 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         options.pop("local_tier_bytes")
         self.streams = SessionStreams(**options)
         try:
-            rate = served.family.realtime_sample_rate
-        except MediaError:
-            rate = 0  # the family takes no realtime audio: EncodeStream says so
+            rate, unsupported = served.family.realtime_sample_rate, ""
+        except MediaError as e:
+            rate, unsupported = 0, str(e)  # EncodeStream says so
         self.stream_encoder = StreamEncoder(
-            self.tower.encoder, rate, self.streams, metrics, c.encoder.max_streams
+            self.tower.encoder, rate, self.streams, metrics, c.encoder.max_streams, unsupported
         )
         logger.info("encoding %s (fingerprint %s)", served.name, served.fingerprint)
 

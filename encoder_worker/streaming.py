@@ -62,8 +62,10 @@ class StreamEncoder:
         streams: SessionStreams,
         metrics: EncoderMetrics,
         max_streams: int,
+        unsupported: str = "",  # why the model takes no realtime audio (empty: it does)
     ):
         self.encoder = encoder
+        self.unsupported = unsupported
         self.sample_rate = sample_rate
         self.streams = streams
         self.metrics = metrics
@@ -79,6 +81,8 @@ class StreamEncoder:
                 grpc.StatusCode.INVALID_ARGUMENT, "the first EncodeStream message must be `start`"
             )
         start = first.start
+        if self.unsupported:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.unsupported)
         try:
             self.streams.key(start.session_id)
             if start.format not in SAMPLE_FORMATS:

@@ -255,6 +255,11 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         async with self.role.work(context):
             engine = self.engine
             session = request.realtime_session_id or None
+            if session is not None and not engine.runner.is_realtime:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "this model takes no realtime sessions (its decode steps take no audio)",
+                )
             try:
                 req = to_request(request)
                 if session is not None:
