@@ -3,7 +3,10 @@ the session's encoder and read by its LM worker with blocking XREAD (no polling)
 
     key   {namespace}:rt:{session_id}         (the session id is the hash tag: one slot)
     entry first=<index of its first row>  rows=<wire-format tensor [n, hidden]>
-    last  done=1  total=<rows in the session>
+    last  first=...  rows=... (the last rows, if any)  done=1  total=<rows in the session>
+
+The last rows and the end ride in one entry, so a reader learns that a row is the last in the
+same read that brings it (a realtime LM must not run a step past the last position).
 
 Every append refreshes the key's TTL, so a session nobody ends (both ends died) expires
 `ttl_seconds` after its last entry. An encoder that replays a session (a new one after the
@@ -34,7 +37,7 @@ class StreamError(RuntimeError):
 @dataclass
 class StreamEntry:
     first: int  # the index of rows[0] in the session
-    rows: torch.Tensor | None  # None on the last entry
+    rows: torch.Tensor | None  # None on a last entry without rows
     done: bool = False
     total: int = 0  # on the last entry: rows in the session
 
@@ -82,9 +85,15 @@ class SessionStreams:
         """Rows [n, hidden] that start at index `first` of the session."""
         await self._add(session_id, {"first": first, "rows": wire.encode(rows.cpu())})
 
-    async def finish(self, session_id: str, total: int) -> None:
-        """The session's last entry: `total` rows in all, no more will come."""
-        await self._add(session_id, {"first": total, "done": 1, "total": total})
+    async def finish(self, session_id: str, first: int, rows: torch.Tensor | None) -> None:
+        """The session's last entry: its last rows (from index `first`; None or empty: none)
+        and the end, `first + len(rows)` rows in all."""
+        fields: dict = {"first": first, "done": 1}
+        if rows is not None and rows.shape[0]:
+            fields["rows"] = wire.encode(rows.cpu())
+            first += rows.shape[0]
+        fields["total"] = first
+        await self._add(session_id, fields)
 
     async def _add(self, session_id: str, fields: dict) -> None:
         key = self.key(session_id)
@@ -128,9 +137,12 @@ def _entry(key: str, fields: dict) -> StreamEntry:
     f = {k.decode() if isinstance(k, bytes) else k: v for k, v in fields.items()}
     try:
         first = int(f["first"])
+        rows = wire.decode(f["rows"]) if "rows" in f else None
         if f.get("done"):
-            return StreamEntry(first, None, done=True, total=int(f["total"]))
-        return StreamEntry(first, wire.decode(f["rows"]))
+            return StreamEntry(first, rows, done=True, total=int(f["total"]))
+        if rows is None:
+            raise KeyError("rows")
+        return StreamEntry(first, rows)
     except (KeyError, ValueError) as e:
         raise StreamError(f"{key} holds an entry no encoder writes: {e}") from e
 
@@ -144,21 +156,21 @@ class RowCursor:
         self.total: int | None = None
 
     def take(self, entry: StreamEntry) -> torch.Tensor | None:
-        """The entry's rows not taken yet (None: nothing new)."""
+        """The entry's rows not taken yet (None: nothing new); on the last entry, `done`."""
+        rows = None
+        if entry.rows is not None:
+            if entry.first > self.count:
+                raise StreamError(f"rows {self.count}..{entry.first} of the session are missing")
+            skip = self.count - entry.first
+            if skip < entry.rows.shape[0]:
+                rows = entry.rows[skip:]
+                self.count += rows.shape[0]
         if entry.done:
             if entry.total != self.count:
                 raise StreamError(
                     f"the session ended at {entry.total} rows, but {self.count} were read"
                 )
             self.total = entry.total
-            return None
-        if entry.first > self.count:
-            raise StreamError(f"rows {self.count}..{entry.first} of the session are missing")
-        skip = self.count - entry.first
-        if skip >= entry.rows.shape[0]:
-            return None
-        rows = entry.rows[skip:]
-        self.count += rows.shape[0]
         return rows
 
     @property

@@ -124,11 +124,12 @@ class StreamEncoder:
                     )
                 elif kind == "input_done":
                     rows = await asyncio.to_thread(stream.finish)
-                    published = await self._publish(session, published, rows, context)
-                    try:
-                        await self.streams.finish(session, published)
+                    try:  # the last rows and the end in one entry
+                        await self.streams.finish(session, published, rows)
                     except StreamError as e:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                    self.metrics.stream_embeddings.inc(rows.shape[0])
+                    published += rows.shape[0]
                     yield epd_pb2.EncodeStreamResponse(
                         num_published=published, audio_seconds=stream.audio_seconds, done=True
                     )

@@ -398,3 +398,42 @@ def test_the_chunk_latency_histogram_counts_chunks(cluster):
     assert cluster.metric("epd_realtime_chunk_latency_seconds_count") > 0
     assert cluster.metric("epd_realtime_audio_seconds_total") > 0
     np.testing.assert_equal(cluster.metric("epd_realtime_sessions_open"), 0)
+
+
+# -- an LM worker killed mid-session (a cluster of its own: two LM workers) ----------------------
+
+
+@pytest.fixture(scope="module")
+def two_lms(tmp_path_factory, checkpoint):
+    c = Cluster(
+        tmp_path_factory.mktemp("two-lms"), checkpoint, encoders=1, lms=2, lm={"block_size": 8}
+    )
+    yield c
+    c.stop()
+
+
+def test_lm_worker_killed_mid_session_another_continues_without_repeating(two_lms, clips):
+    pcm, expected = clips[1]
+    killed: list[str] = []
+
+    def kill_the_sessions_lm(i: int) -> None:
+        if i != 14:
+            return
+        for name, role in two_lms.roles.items():
+            if role.kind != "lm":
+                continue
+            with grpc.insecure_channel(role.address) as channel:
+                load = epd_pb2_grpc.LanguageModelStub(channel).GetLoad(
+                    epd_pb2.GetLoadRequest(), timeout=5
+                )
+            if load.realtime_sessions:
+                two_lms.kill(name)
+                killed.append(name)
+                return
+
+    responses, _ = grpc_session(two_lms, pcm, on_chunk=kill_the_sessions_lm)
+    assert len(killed) == 1
+    # Every token once, in order: the new worker re-prefilled the prompt and the tokens sent
+    # from the session's stream and went on.
+    assert [t for _, r in responses for t in r.token_ids] == expected
+    assert two_lms.metric("epd_realtime_failovers_total", role="lm") == 1
