@@ -277,6 +277,12 @@ class ProxyConfig:
     max_item_tokens: int = 16384
     # Deadline of a request that brings none (gRPC callers' own deadlines propagate).
     request_timeout_seconds: float = 600.0
+    # Realtime audio sessions (Inference.Realtime, GET /v1/realtime): at most this many open
+    # at once (more: RESOURCE_EXHAUSTED / an `error` event), each at most this long in audio,
+    # and ended when no audio or commit came for `realtime_idle_timeout_seconds`.
+    realtime_max_sessions: int = 256
+    realtime_max_session_seconds: float = 600.0
+    realtime_idle_timeout_seconds: float = 30.0
     # Attempts per encode or LM call that fails before any output (backoff with jitter).
     retries: int = 3
     # A worker's circuit opens after this many consecutive failures, and lets one request
@@ -314,8 +320,11 @@ class ProxyConfig:
         _check_positive("request_timeout_seconds", self.request_timeout_seconds)
         _check_positive("circuit_cooldown_seconds", self.circuit_cooldown_seconds)
         _check_positive("load_poll_seconds", self.load_poll_seconds)
+        _check_positive("realtime_max_session_seconds", self.realtime_max_session_seconds)
+        _check_positive("realtime_idle_timeout_seconds", self.realtime_idle_timeout_seconds)
         for key in (
             "max_pending_requests",
+            "realtime_max_sessions",
             "retries",
             "circuit_failures",
             "max_body_bytes",
@@ -373,6 +382,9 @@ class EncoderConfig:
     video_pruning_rate: float | None = None
     # Audio clips longer than this, read from the header, are refused before decoding.
     max_audio_seconds: float = 600.0
+    # Realtime sessions (EncodeStream) one encoder worker keeps open at once; more are
+    # refused with RESOURCE_EXHAUSTED.
+    max_streams: int = 64
     # Prometheus /metrics over HTTP on this port, on the listen host (0: off).
     metrics_port: int = 0
 
@@ -413,6 +425,9 @@ class LMConfig:
     # Continuous batching: sequences per step, and the token budget per step (decodes take one
     # token each; prefills are chunked to fit what is left).
     max_num_seqs: int = 64
+    # Realtime sessions one LM worker runs at once (each holds its KV while it waits for
+    # audio); more are refused with RESOURCE_EXHAUSTED.
+    max_realtime_sessions: int = 32
     max_num_batched_tokens: int = 2048
     # Context length; None: the checkpoint's max_position_embeddings.
     max_model_len: int | None = None

@@ -6,7 +6,7 @@ tests pass a private `CollectorRegistry`, benchmarks None.
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 # Why an item failed; the servicer maps each to a gRPC status code.
 ERROR_KINDS = ("invalid_argument", "permission_denied", "unavailable", "internal")
@@ -65,6 +65,23 @@ class EncoderMetrics:
             "epd_encoder_errors_total",
             "Items that failed, by kind (invalid_argument, unavailable, internal)",
             ["kind"],
+            **kw,
+        )
+        self.streams_open = Gauge(
+            "epd_encoder_streams_open", "Realtime sessions (EncodeStream calls) open", **kw
+        )
+        self.stream_chunk_seconds = Histogram(
+            "epd_encoder_stream_chunk_seconds",
+            "Per realtime audio chunk: the streaming encoder's time on it",
+            buckets=(0.001, 0.0025, *_SECONDS),
+            **kw,
+        )
+        self.stream_audio_seconds = Counter(
+            "epd_encoder_stream_audio_seconds_total", "Realtime audio taken, in seconds", **kw
+        )
+        self.stream_embeddings = Counter(
+            "epd_encoder_stream_embeddings_total",
+            "Per-position embeddings published to realtime session streams",
             **kw,
         )
         # Resolved once: labels() costs microseconds on every call.

@@ -20,13 +20,15 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.config import ClusterConfig
 from common.media import media_from_proto
-from common.server import RoleServer, Service, run_worker, unimplemented
+from common.server import RoleServer, Service, run_worker
 from common.signing import HashSigner
 from common.tls import cluster_server_credentials
 from connector import AsyncECConnector, wait_until_reachable
 from connector.registry import Heartbeat
+from connector.streams import SessionStreams
 from encoder_worker.encoder import EncodeItem, ItemResult, MMEncoder
 from encoder_worker.metrics import EncoderMetrics
+from encoder_worker.streaming import StreamEncoder
 from encoder_worker.tower import Tower, load_tower
 from models import MediaError
 from proto import epd_pb2, epd_pb2_grpc
@@ -102,6 +104,8 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         self.tower: Tower | None = None
         self.connector: AsyncECConnector | None = None
         self.encoder: MMEncoder | None = None
+        self.streams: SessionStreams | None = None
+        self.stream_encoder: StreamEncoder | None = None
 
     async def load(self) -> None:
         """Redis reachable, the tower loaded and warm, the batch loop running."""
@@ -115,9 +119,20 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
             registry=self.registry,
             **c.connector.connector_options(),
         )
-        encoder = MMEncoder(self.tower, self.connector, c.encoder, EncoderMetrics(self.registry))
+        metrics = EncoderMetrics(self.registry)
+        encoder = MMEncoder(self.tower, self.connector, c.encoder, metrics)
         encoder.start()
         self.encoder = encoder
+        options = c.connector.connector_options()
+        options.pop("local_tier_bytes")
+        self.streams = SessionStreams(**options)
+        try:
+            rate, unsupported = served.family.realtime_sample_rate, ""
+        except MediaError as e:
+            rate, unsupported = 0, str(e)  # EncodeStream says so
+        self.stream_encoder = StreamEncoder(
+            self.tower.encoder, rate, self.streams, metrics, c.encoder.max_streams, unsupported
+        )
         logger.info("encoding %s (fingerprint %s)", served.name, served.fingerprint)
 
     async def close(self) -> None:
@@ -125,6 +140,8 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
             await self.encoder.close()
         if self.connector is not None:
             await self.connector.close()
+        if self.streams is not None:
+            await self.streams.close()
 
     async def Encode(
         self, request: epd_pb2.EncodeRequest, context: grpc.aio.ServicerContext
@@ -154,7 +171,13 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
             return epd_pb2.EncodeResponse(results=[to_result(r, dtype) for r in results])
 
     async def EncodeStream(self, request_iterator, context: grpc.aio.ServicerContext):
-        await unimplemented(context, "Encoder.EncodeStream", "the realtime audio encoder")
+        """One realtime session's audio in, its embeddings out to its stream, in order
+        (encoder_worker/streaming.py)."""
+        async with self.role.work(context):
+            if self.stream_encoder is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is still loading")
+            async for response in self.stream_encoder.serve(request_iterator, context):
+                yield response
 
     async def GetLoad(
         self, request: epd_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
@@ -170,6 +193,7 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
             items_per_second=load.items_per_second,
             busy_fraction=load.busy_fraction,
             batch_items=load.batch_items,
+            active_streams=self.stream_encoder.active,
         )
 
 

@@ -89,7 +89,7 @@ class LMEngine:
     ):
         self.runner = runner
         self.scheduler = scheduler
-        self.scheduler.is_ready = runner.is_ready
+        self.scheduler.is_ready = self._is_ready
         self.kv = self.scheduler.kv = kv_connector
         self.sampler = Sampler()
         self.tokenizer = tokenizer
@@ -100,6 +100,9 @@ class LMEngine:
         self.emit = emit or deliver
         self.metrics = EngineMetrics(registry)
         self.live: dict[str, _Live] = {}
+        # Realtime requests whose prompt positions' embeddings are not all in yet, by session:
+        # they enter the scheduler once they are (a prefill never runs short of its rows).
+        self.parked: dict[str, Request] = {}
         self.tokens_generated = 0
         self._inbox: list[Callable[[], None]] = []
         self._cv = threading.Condition()
@@ -145,6 +148,13 @@ class LMEngine:
                 f"the prompt needs {need} KV blocks; this worker has {blocks.num_usable}"
             )
 
+    @property
+    def realtime_capacity(self) -> int:
+        """The most positions a realtime session can run to here (context and KV cache): a
+        session's audio past it ends its request with "length"."""
+        blocks = self.scheduler.blocks
+        return min(self.max_model_len, blocks.num_usable * blocks.block_size)
+
     def load_embedding(
         self, mm_hash: str, tensor: torch.Tensor, num_embeds: int
     ) -> LoadedEmbedding:
@@ -167,6 +177,10 @@ class LMEngine:
     def append_realtime(self, session_id: str, rows: torch.Tensor, closed: bool = False) -> None:
         """More per-position embeddings of a realtime session (wakes requests waiting on it)."""
         self._submit(lambda: self._append_realtime(session_id, rows, closed))
+
+    def end_realtime(self, session_id: str) -> None:
+        """Drop a realtime session's rows (its request is gone, or never came)."""
+        self._submit(lambda: self.runner.realtime.pop(session_id, None))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="lm-engine", daemon=True)
@@ -371,7 +385,29 @@ class LMEngine:
             request.num_tokens
         ):
             return "stop"  # every audio position is consumed
+        if request.realtime_session is not None:
+            if request.num_tokens >= end:
+                return "length"  # the session's positions (its longest audio) are used up
+            if self._realtime_ended(request):
+                return "stop"  # the audio ended and every position of it is consumed
         return None
+
+    def _realtime_ended(self, request: Request) -> bool:
+        """The session's audio has ended and its last position is consumed: the last token
+        sampled sits at the last position (as a whole clip's transcription ends)."""
+        stream = self.runner.realtime.get(request.realtime_session)
+        if stream is None or not stream.closed:
+            return False
+        offset = next(
+            (f.offset for f in request.mm_features if f.mm_hash == request.realtime_session), 0
+        )
+        return request.num_tokens >= offset + stream.count
+
+    def _is_ready(self, request: Request) -> bool:
+        ready = self.runner.is_ready(request)
+        if not ready:
+            self.metrics.realtime_waits.inc()
+        return ready
 
     def _detokenize(self, live: _Live, token_id: int, final: bool) -> tuple[str, bool]:
         """The text to release now, and whether a stop string ended the request."""
@@ -419,6 +455,9 @@ class LMEngine:
             self.metrics.embedding_misses.inc(len(missing))
             self._finish(request, "error", error=f"embeddings not provided: {missing}")
             return
+        if request.realtime_session is not None and not self.runner.is_ready(request):
+            self.parked[request.realtime_session] = request
+            return
         self.scheduler.add(request)
 
     def _abort(self, request_id: str) -> None:
@@ -427,17 +466,20 @@ class LMEngine:
             self._finish(live.request, "abort")
 
     def _append_realtime(self, session_id: str, rows: torch.Tensor, closed: bool) -> None:
+        if not any(live.request.realtime_session == session_id for live in self.live.values()):
+            return  # its request has ended (or never came): nothing will read the rows
         stream = self.runner.realtime_stream(session_id)
         if rows.numel():
             stream.append(rows)
         stream.closed = stream.closed or closed
+        parked = self.parked.get(session_id)
+        if parked is not None and self.runner.is_ready(parked):
+            del self.parked[session_id]
+            self.scheduler.add(parked)
         # A request whose audio ended before its next position has nothing more to read.
-        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
-            if (
-                request.realtime_session == session_id
-                and stream.closed
-                and not self.runner.is_ready(request)
-            ):
+        requests = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for request in requests + list(self.parked.values()):
+            if request.realtime_session == session_id and self._realtime_ended(request):
                 self._finish(request, "stop")
 
     def _finish(
@@ -454,6 +496,9 @@ class LMEngine:
         self.runner.remove_request(request.request_id)
         if self.kv is not None:
             self.kv.request_finished(request.request_id)
+        if request.realtime_session is not None:
+            self.runner.realtime.pop(request.realtime_session, None)
+            self.parked.pop(request.realtime_session, None)
         live = self.live.pop(request.request_id, None)
         self.metrics.requests.labels(reason).inc()
         if live is None:

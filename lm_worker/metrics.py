@@ -52,3 +52,17 @@ class EngineMetrics:
             "Embeddings a request needed that the cache did not hold",
             **kw,
         )
+        self.realtime_sessions = Gauge(
+            "epd_lm_realtime_sessions", "Realtime sessions open on this worker", **kw
+        )
+        self.realtime_rows = Counter(
+            "epd_lm_realtime_embeddings_total",
+            "Per-position audio embeddings read from realtime session streams",
+            **kw,
+        )
+        self.realtime_waits = Counter(
+            "epd_lm_realtime_waiting_steps_total",
+            "Engine steps in which a realtime request sat out, waiting for its next audio "
+            "embedding",
+            **kw,
+        )

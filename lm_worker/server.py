@@ -9,6 +9,7 @@ away aborts the request in the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -25,8 +26,10 @@ from connector import AsyncECConnector, ConnectorError, wait_until_reachable
 from connector.kv import KVStore, peek_hash
 from connector.kv_stream import KVInbox, KVReceiver, KVSender
 from connector.registry import Heartbeat
+from connector.streams import SessionStreams
 from lm_worker.engine import BadRequest, LMEngine, RequestOutput, deliver
 from lm_worker.loader import build_engine
+from lm_worker.realtime import RealtimeFeeder, TooManySessions
 from lm_worker.request import Request
 from models import EmbeddingMismatch, LoadedEmbedding, MMFeature, SamplingParams
 from proto import epd_pb2, epd_pb2_grpc
@@ -131,7 +134,12 @@ class EmbeddingFetcher:
     async def fetch(self, request: Request, report) -> dict[str, LoadedEmbedding]:
         """{mm_hash: tensor on the engine's device}. `report(hashes)` is awaited with each
         set of hashes newly found missing. Raises TimeoutError after `timeout` seconds."""
-        needed = {f.mm_hash: f.num_embeds for f in request.mm_features}
+        # A realtime session's rows come through its stream (lm_worker/realtime.py).
+        needed = {
+            f.mm_hash: f.num_embeds
+            for f in request.mm_features
+            if f.mm_hash != request.realtime_session
+        }
         found: dict[str, LoadedEmbedding] = {}
         reported: set[str] = set()
         deadline = time.monotonic() + self.timeout
@@ -183,6 +191,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         self.engine: LMEngine | None = None
         self.fetcher: EmbeddingFetcher | None = None
         self.connector: AsyncECConnector | None = None
+        self.streams: SessionStreams | None = None
+        self.feeder: RealtimeFeeder | None = None
         self.active: dict[str, _Active] = {}
         self.kv_receiver: KVReceiver | None = None  # the direct KV path's listener
         self.kv_address = ""
@@ -236,6 +246,10 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             fingerprint=served.fingerprint, **c.connector.connector_options(local_tier=True)
         )
         self.fetcher = EmbeddingFetcher(self.connector, self.engine, c.lm.embedding_timeout_seconds)
+        options = c.connector.connector_options()
+        options.pop("local_tier_bytes")
+        self.streams = SessionStreams(**options)
+        self.feeder = RealtimeFeeder(self.streams, self.engine, c.lm.max_realtime_sessions)
         self._watchdog = asyncio.create_task(self.watch_steps(c.lm.step_timeout_seconds))
 
     async def watch_steps(self, timeout: float, every: float = 1.0) -> None:
@@ -278,32 +292,55 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             self.kv_receiver.close()
         if self.connector is not None:
             await self.connector.close()
+        if self.streams is not None:
+            await self.streams.close()
 
     async def Generate(self, request: epd_pb2.LMGenerateRequest, context):
         async with self.role.work(context):
             engine = self.engine
-            if request.realtime_session_id:
+            session = request.realtime_session_id or None
+            if session is not None and not engine.runner.is_realtime:
                 await context.abort(
-                    grpc.StatusCode.UNIMPLEMENTED,
-                    "realtime sessions are not implemented in this build (they land with the "
-                    "realtime audio encoder)",
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "this model takes no realtime sessions (its decode steps take no audio)",
                 )
             try:
                 req = to_request(request)
+                if session is not None:
+                    self.streams.key(session)  # a usable id
+                    req.realtime_session = session
+                    if session not in req.mm_hashes:
+                        raise BadRequest(
+                            f"realtime session {session}: no mm_feature names it (its "
+                            "positions, from where its audio starts)"
+                        )
+                    req.mm_features = [
+                        dataclasses.replace(f, length=min(f.length, engine.realtime_capacity))
+                        if f.mm_hash == session
+                        else f
+                        for f in req.mm_features
+                    ]
                 engine.validate(req)
-            except BadRequest as e:
+            except (BadRequest, ValueError) as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             if req.request_id in self.active:
                 await context.abort(
                     grpc.StatusCode.ALREADY_EXISTS, f"request {req.request_id} is already running"
                 )
+            if session is not None:
+                try:
+                    self.feeder.reserve(session)
+                except TooManySessions as e:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                except ValueError as e:
+                    await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             started = time.monotonic()
             live = self.active[req.request_id] = _Active()
             queue = live.queue
             finished = False
             try:
                 embeddings = {}
-                if req.mm_features:
+                if any(f.mm_hash != session for f in req.mm_features):
 
                     async def report(hashes: list[str]) -> None:
                         await context.write(epd_pb2.LMGenerateResponse(missing_mm_hashes=hashes))
@@ -340,6 +377,14 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                 req.arrival = time.monotonic()
                 engine.add_request(req, queue.put_nowait, embeddings)
                 live.in_engine = True
+                if session is not None:
+
+                    def stream_failed(error: str, request_id: str = req.request_id) -> None:
+                        queue.put_nowait(
+                            RequestOutput(request_id, finish_reason="error", error=error)
+                        )
+
+                    self.feeder.start(session, stream_failed)
                 while True:
                     out: RequestOutput = await queue.get()
                     if out.finish_reason == "error":
@@ -373,6 +418,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                     live.fetch.cancel()
                 if not finished and live.in_engine:  # the client went away, or its deadline
                     engine.abort(req.request_id)
+                if session is not None:
+                    await self.feeder.stop(session)
 
     async def Abort(self, request: epd_pb2.AbortRequest, context) -> epd_pb2.AbortResponse:
         """Abort a request in any state: waiting for its embeddings (the wait is cancelled and
@@ -397,6 +444,8 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             role=self.config.lm.role,
             kv_tier=self.config.lm.kv_tier,
             kv_address=self.kv_address,
+            realtime_sessions=self.feeder.open,
+            realtime_rows=sum(s.count for s in list(self.engine.runner.realtime.values())),
             **load,
             **_fetches_by_tier(self.connector),
             **kv_counters(self.engine.kv),

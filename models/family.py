@@ -28,7 +28,14 @@ import numpy as np
 import torch
 
 from models.attention import AttentionBackend
-from models.media import MediaGrid, MediaInput, MMFeature, Modality, ProcessedMedia
+from models.media import (
+    MediaError,
+    MediaGrid,
+    MediaInput,
+    MMFeature,
+    Modality,
+    ProcessedMedia,
+)
 from models.tokenizer import Tokenizer
 
 
@@ -70,6 +77,22 @@ class MediaEncoder(Protocol):
     def embed(self, batch: Sequence[ProcessedMedia]) -> list[torch.Tensor]:
         """One forward over `batch` (any mix of the family's modalities); one output per item,
         in order, on the encoder's device and in its dtype."""
+        ...
+
+
+class MediaStream(Protocol):
+    """One realtime session's encoder state (speech encoders that stream: `open_stream`)."""
+
+    num_embeddings: int  # embeddings returned so far
+    audio_seconds: float  # the client's audio taken so far
+
+    def push(self, samples: np.ndarray) -> torch.Tensor:
+        """Mono float32 samples at the model's rate -> the embeddings they complete, in
+        order, [n, width] on the encoder's device."""
+        ...
+
+    def finish(self) -> torch.Tensor:
+        """No more audio: the embeddings still owed."""
         ...
 
 
@@ -248,6 +271,26 @@ class ModelFamily(ABC):
         `prompt_from_media` families. The placeholders may run past the prompt: positions the
         decode steps fill (realtime models)."""
         raise NotImplementedError(f"{type(self).__name__} takes text or chat prompts")
+
+    # -- realtime audio sessions (speech families) --------------------------------------------
+
+    @property
+    def realtime_sample_rate(self) -> int:
+        """The audio rate a realtime session's chunks must come at."""
+        raise MediaError(f"{self.architecture} does not take realtime audio sessions")
+
+    def realtime_prompt(self) -> list[int]:
+        """The prompt of a realtime session; its positions, and every decode step's after
+        it, take the session's streamed embeddings in order (from position 0)."""
+        raise MediaError(f"{self.architecture} does not take realtime audio sessions")
+
+    def realtime_positions(self, seconds: float) -> int:
+        """LM positions a realtime session with `seconds` of audio fills, padding included."""
+        raise MediaError(f"{self.architecture} does not take realtime audio sessions")
+
+    def realtime_audio_seconds(self, num_positions: int) -> float:
+        """Seconds of the client's audio that a session's first `num_positions` cover."""
+        raise MediaError(f"{self.architecture} does not take realtime audio sessions")
 
     @abstractmethod
     def fingerprint(self, dtype: torch.dtype) -> str:

@@ -22,6 +22,7 @@ from proto import epd_pb2, epd_pb2_grpc
 from proxy.frontend import Chunk, Frontend
 from proxy.metrics import ProxyMetrics
 from proxy.prepare import ChatMessage, PreparedRequest, RequestBuilder
+from proxy.realtime import RealtimeService
 from proxy.validate import Limits, check_prepared
 from proxy.workers import WorkerPool
 
@@ -84,12 +85,14 @@ class Proxy:
         self.frontend.dispatcher.signer = HashSigner(c.cluster.signing_key())
         self.pending = 0
         self.context = c.lm.context_length(family.text.max_position_embeddings)
+        self.realtime = RealtimeService(self)
 
     async def start(self) -> None:
         await self.encoders.start()
         await self.lms.start()
 
     async def close(self) -> None:
+        await self.realtime.close()
         await self.encoders.close()
         await self.lms.close()
         await self.connector.close()

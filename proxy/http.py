@@ -42,6 +42,7 @@ from proxy.core import ModelNotFound, Overloaded, Proxy
 from proxy.dashboard import add_dashboard
 from proxy.encode import Unavailable
 from proxy.prepare import BadInput
+from proxy.realtime_ws import realtime_websocket
 from proxy.validate import check_sampling, parse_chat_body, parse_json_body
 from proxy.workers import overall_status
 
@@ -103,6 +104,7 @@ class HttpApi:
                 web.get("/v1/models", self.models),
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.post("/v1/audio/transcriptions", self.transcriptions),
+                web.get("/v1/realtime", self.realtime),
             ]
         )
         self.dashboard = add_dashboard(self.app, lambda: self.serving)
@@ -187,6 +189,13 @@ class HttpApi:
 
     async def transcriptions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(self._transcribe, request)
+
+    async def realtime(self, request: web.Request) -> web.StreamResponse:
+        """Realtime transcription over a WebSocket (proxy/realtime_ws.py)."""
+        if not self.serving or self.proxy is None:
+            raise web.HTTPServiceUnavailable(reason="the proxy is not serving")
+        async with self.role.track():
+            return await realtime_websocket(request, self.proxy.realtime)
 
     async def _serve(self, handler, request: web.Request) -> web.StreamResponse:
         """What every generating route shares: 503 unless serving, counted for the drain,

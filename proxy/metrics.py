@@ -106,8 +106,34 @@ class ProxyMetrics:
             "Requests handed from a prefill worker to a decode worker (prefill / decode split)",
             **kw,
         )
+        self.realtime_sessions = Gauge(
+            "epd_realtime_sessions_open", "Realtime audio sessions open", **kw
+        )
+        self.realtime_sessions_total = Counter(
+            "epd_realtime_sessions_total",
+            "Realtime sessions ended, by how (commit, cancel, idle, disconnect, error, refused)",
+            ["end"],
+            **kw,
+        )
+        self.realtime_audio_seconds = Counter(
+            "epd_realtime_audio_seconds_total", "Realtime audio received, in seconds", **kw
+        )
+        self.realtime_chunk_latency = Histogram(
+            "epd_realtime_chunk_latency_seconds",
+            "Per realtime audio chunk: received -> the first text delta covering its end sent",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10),
+            **kw,
+        )
+        self.realtime_failovers = Counter(
+            "epd_realtime_failovers_total",
+            "Realtime sessions moved to another worker mid-session (audio replayed to a new "
+            "encoder, or a new LM worker re-prefilled)",
+            ["role"],
+            **kw,
+        )
         self.ttft_window = LatencyWindow()
         self.itl_window = LatencyWindow()
+        self.chunk_window = LatencyWindow()
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)

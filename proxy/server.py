@@ -16,7 +16,7 @@ import grpc
 from common.config import ClusterConfig
 from common.media import media_from_proto
 from common.served_model import resolve_model
-from common.server import RoleServer, Service, run_role, unimplemented
+from common.server import RoleServer, Service, run_role
 from common.tls import http_context, server_credentials
 from connector import wait_until_reachable
 from models import MediaError
@@ -28,6 +28,7 @@ from proxy.frontend import Chunk
 from proxy.http import HttpApi
 from proxy.metrics import ProxyMetrics
 from proxy.prepare import BadInput, ChatMessage, Part
+from proxy.realtime import grpc_session
 from proxy.validate import check_generate, refuse_malformed, tolerant_add
 
 logger = logging.getLogger(__name__)
@@ -114,8 +115,11 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
                 proxy.metrics.requests.labels("grpc", status.name).inc()
 
     async def Realtime(self, request_iterator, context):
+        """A realtime audio session (proxy/realtime.py)."""
         await grpc_principal(self.keys, context)
-        await unimplemented(context, "Inference.Realtime", "a realtime audio model")
+        async with self.role.work(context):
+            async for msg in grpc_session(self.proxy.realtime, request_iterator, context):
+                yield msg
 
     async def Abort(self, request: epd_pb2.AbortRequest, context) -> epd_pb2.AbortResponse:
         principal = await grpc_principal(self.keys, context)

@@ -18,11 +18,21 @@ from tests.helpers import write_config
 
 SERVICES = {"proxy": "Inference", "encoder": "Encoder", "lm": "LanguageModel"}
 
-# What is not built yet answers UNIMPLEMENTED, saying so: (service, method, request, streaming,
-# words in the status). Realtime audio sessions need an audio model.
-UNIMPLEMENTED_CALLS = {
+# Realtime audio sessions on a model without audio (the tiny Qwen2-VL checkpoint) answer
+# FAILED_PRECONDITION, saying why: (service, method, request, streaming, words in the status).
+REALTIME_CALLS = {
     "encoder": [
-        ("Encoder", "EncodeStream", epd_pb2.EncodeStreamRequest(), True, "is not implemented"),
+        (
+            "Encoder",
+            "EncodeStream",
+            epd_pb2.EncodeStreamRequest(
+                start=epd_pb2.EncodeStreamStart(
+                    session_id="s-1", format=epd_pb2.AUDIO_FORMAT_PCM_S16LE, sample_rate=16000
+                )
+            ),
+            True,
+            "does not take realtime audio",
+        ),
     ],
     "lm": [
         (
@@ -30,11 +40,21 @@ UNIMPLEMENTED_CALLS = {
             "Generate",
             epd_pb2.LMGenerateRequest(prompt_token_ids=[1, 2], realtime_session_id="s-1"),
             False,
-            "realtime sessions are not implemented",
+            "takes no realtime sessions",
         ),
     ],
     "proxy": [
-        ("Inference", "Realtime", epd_pb2.RealtimeRequest(), True, "is not implemented"),
+        (
+            "Inference",
+            "Realtime",
+            epd_pb2.RealtimeRequest(
+                config=epd_pb2.RealtimeConfig(
+                    format=epd_pb2.AUDIO_FORMAT_PCM_S16LE, sample_rate=16000
+                )
+            ),
+            True,
+            "does not take realtime audio",
+        ),
     ],
 }
 
@@ -75,14 +95,14 @@ def test_role_health_reflection_and_sigterm(tmp_path, start_role, tiny_checkpoin
                 "grpc.health.v1.Health",
                 "grpc.reflection.v1alpha.ServerReflection",
             }
-            for service, method, request, streaming, words in UNIMPLEMENTED_CALLS[kind]:
+            for service, method, request, streaming, words in REALTIME_CALLS[kind]:
                 stub = getattr(epd_pb2_grpc, f"{service}Stub")(channel)
                 with pytest.raises(grpc.RpcError) as info:
                     # Every call listed streams its answer: reading it raises.
                     list(
                         getattr(stub, method)(iter([request]) if streaming else request, timeout=5)
                     )
-                assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
                 assert words in info.value.details()
 
             assert role.terminate() == 0

@@ -139,6 +139,29 @@ class LogMel:
             return_complex=True,
         )
         power = stft[..., :-1].abs() ** 2  # the last (partial) frame is dropped
+        return self.scale(power)
+
+    def frames(self, segment: torch.Tensor) -> torch.Tensor:
+        """The frames whose whole windows lie in `segment` (no centring padding): frame j
+        covers samples [j * hop, j * hop + n_fft). A stream computes its frames this way, a
+        window at a time as the audio arrives; where the clip is padded with silence they
+        equal the centred transform's."""
+        f = self.config
+        window = torch.hann_window(f.n_fft, device=segment.device)
+        stft = torch.stft(
+            segment.to(torch.float32),
+            f.n_fft,
+            f.hop_length,
+            window=window,
+            center=False,
+            return_complex=True,
+        )
+        return self.scale(stft.abs() ** 2)
+
+    def scale(self, power: torch.Tensor) -> torch.Tensor:
+        """Power spectrum [bins, frames] -> the model's log-mel features [mels, frames]."""
+        f = self.config
+        device = power.device
         mel = self.filters.to(device).T @ power
         log = torch.clamp(mel, min=1e-10).log10()
         top = (

@@ -34,6 +34,7 @@ from models.voxtral_realtime.config import (
 )
 from models.voxtral_realtime.encoder import AudioEncoder, encoder_tensor
 from models.voxtral_realtime.language_model import VoxtralLanguageModel
+from models.voxtral_realtime.streaming import AudioStream
 from models.voxtral_realtime.tokenizer import TekkenTokenizer
 
 # Bump when our preprocessing or encoder numerics change, so cached embeddings stop matching.
@@ -100,9 +101,16 @@ class AudioProcessor:
 class SpeechEncoder:
     """models.family.MediaEncoder: log-mel on the device, then the tower and projector."""
 
-    def __init__(self, model: AudioEncoder, features: FeatureConfig, device: torch.device):
+    def __init__(
+        self,
+        model: AudioEncoder,
+        features: FeatureConfig,
+        device: torch.device,
+        streaming: StreamingConfig | None = None,
+    ):
         self.model = model
         self.device = device
+        self.streaming = streaming
         self.dtype = model.dtype
         self.width = model.config.text.hidden_size
         self.log_mel = audio.LogMel(features)
@@ -119,6 +127,13 @@ class SpeechEncoder:
                 )
             out.append(embeds)
         return out
+
+    def open_stream(self) -> AudioStream:
+        """A realtime session's encoder state: audio in as it arrives, embeddings out in
+        order, equal to the whole clip's (models/voxtral_realtime/streaming.py)."""
+        if self.streaming is None:
+            raise MediaError("this encoder was loaded without the streaming settings")
+        return AudioStream(self.model, self.log_mel, self.streaming, self.device)
 
 
 class VoxtralRealtimeFamily(ModelFamily):
@@ -203,6 +218,25 @@ class VoxtralRealtimeFamily(ModelFamily):
             )
         return prompt, 0, num_positions
 
+    @property
+    def realtime_sample_rate(self) -> int:
+        return self.features.sampling_rate
+
+    def realtime_prompt(self) -> list[int]:
+        """The prompt of a realtime session: the transcription prompt, whose positions take
+        the first embeddings of the session's stream (left silence, then the audio)."""
+        return self.tokenizer().transcription_prompt(
+            self.streaming.n_left_pad_tokens, self.num_delay_tokens
+        )
+
+    def realtime_positions(self, seconds: float) -> int:
+        return audio.num_positions(round(seconds * self.features.sampling_rate), self.streaming)
+
+    def realtime_audio_seconds(self, num_positions: int) -> float:
+        s = self.streaming
+        covered = max(0, num_positions - s.n_left_pad_tokens) * s.samples_per_token
+        return covered / self.features.sampling_rate
+
     def fingerprint(self, dtype: torch.dtype) -> str:
         settings = {
             "code": EMBEDDING_CODE_VERSION,
@@ -216,7 +250,7 @@ class VoxtralRealtimeFamily(ModelFamily):
 
     def load_encoder(self, dtype: torch.dtype, device: torch.device) -> SpeechEncoder:
         model = AudioEncoder.from_checkpoint(self.path, self.arch, dtype, device)
-        return SpeechEncoder(model, self.features, torch.device(device))
+        return SpeechEncoder(model, self.features, torch.device(device), self.streaming)
 
     def load_language_model(
         self, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device

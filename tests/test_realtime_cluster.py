@@ -1,0 +1,439 @@
+"""Realtime sessions through a cluster of real processes (2 encoders, 1 LM worker, a proxy):
+audio streamed in 80 ms chunks over GET /v1/realtime (the `websockets` client) and gRPC
+Realtime comes back as text while it is still being sent, with the token ids of the whole-clip
+transcription of the same audio; sessions run concurrently on one LM worker; every way a
+session ends leaves no KV blocks, session rows, encoder streams or Redis keys behind; a
+session whose encoder is killed (-9) goes on on the other with the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import redis
+import soundfile
+from websockets.asyncio.client import connect
+
+from models.testing import make_checkpoint
+from proto import epd_pb2, epd_pb2_grpc
+from tests.cluster_helpers import Cluster
+from tests.voxtral_helpers import encode, speech_like
+
+RATE = 16000
+CHUNK = 1280  # 80 ms
+IDLE = 2.0
+MAX_SESSIONS = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("vx") / "ckpt", "voxtral_realtime")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, checkpoint):
+    c = Cluster(
+        tmp_path_factory.mktemp("cluster"),
+        checkpoint,
+        encoders=2,
+        lm={"block_size": 8},
+        proxy={
+            "realtime_max_sessions": MAX_SESSIONS,
+            "realtime_idle_timeout_seconds": IDLE,
+            "realtime_max_session_seconds": 6.0,
+        },
+    )
+    yield c
+    c.stop()
+
+
+def pcm16_wav(seconds: float, seed: int) -> tuple[bytes, bytes]:
+    """(a PCM16 WAV, its raw PCM16 samples): the same audio two ways."""
+    wav = encode(speech_like(seconds, seed=seed), RATE, "WAV", "PCM_16")
+    samples, rate = soundfile.read(io.BytesIO(wav), dtype="int16")
+    assert rate == RATE
+    return wav, samples.astype("<i2").tobytes()
+
+
+def whole_clip_ids(cluster, wav: bytes) -> list[int]:
+    """The whole-clip transcription (gRPC Generate with the WAV), output ids only."""
+    request = epd_pb2.GenerateRequest(
+        media=[epd_pb2.MediaItem(audio=epd_pb2.AudioClip(data=wav))],
+        sampling=epd_pb2.SamplingParams(temperature=0.0),
+    )
+    return [t for r in cluster.stub.Generate(request, timeout=60) for t in r.token_ids]
+
+
+@pytest.fixture(scope="module")
+def clips(cluster):
+    out = {}
+    for seed, seconds in ((1, 2.4), (2, 1.6), (3, 2.0), (4, 1.2)):
+        wav, pcm = pcm16_wav(seconds, seed)
+        out[seed] = (pcm, whole_clip_ids(cluster, wav))
+    return out
+
+
+def chunks(pcm: bytes, size: int = CHUNK) -> list[bytes]:
+    step = 2 * size
+    return [pcm[i : i + step] for i in range(0, len(pcm), step)]
+
+
+def leftovers(cluster) -> dict:
+    """What realtime state is left anywhere: KV blocks, LM sessions and rows, encoder
+    streams, Redis keys of session streams."""
+    with grpc.insecure_channel(cluster.lm_address) as channel:
+        lm = epd_pb2_grpc.LanguageModelStub(channel).GetLoad(epd_pb2.GetLoadRequest(), timeout=5)
+    streams = 0
+    for role in cluster.roles.values():
+        if role.kind == "encoder" and role.child.proc.poll() is None:
+            with grpc.insecure_channel(role.address) as channel:
+                stub = epd_pb2_grpc.EncoderStub(channel)
+                streams += stub.GetLoad(epd_pb2.GetLoadRequest(), timeout=5).active_streams
+    keys = redis.Redis.from_url(cluster.redis.url).keys("epd:rt:*")
+    return {
+        "kv_blocks": lm.kv_blocks_used,
+        "lm_sessions": lm.realtime_sessions,
+        "lm_rows": lm.realtime_rows,
+        "encoder_streams": streams,
+        "redis_keys": len(keys),
+        "proxy_sessions": cluster.metric("epd_realtime_sessions_open"),
+    }
+
+
+def assert_nothing_left(cluster, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = leftovers(cluster)
+        if not any(left.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"realtime state left behind: {left}")
+        time.sleep(0.1)
+
+
+# -- gRPC ---------------------------------------------------------------------------------------
+
+
+def grpc_session(cluster, pcm: bytes, pace: float = 0.08, events=None, on_chunk=None):
+    """One Realtime call: (responses, time the last chunk was sent)."""
+    sent = {}
+
+    def requests():
+        yield epd_pb2.RealtimeRequest(
+            config=epd_pb2.RealtimeConfig(
+                model="tiny",
+                format=epd_pb2.AUDIO_FORMAT_PCM_S16LE,
+                sample_rate=RATE,
+                sampling=epd_pb2.SamplingParams(temperature=0.0),
+            )
+        )
+        for i, chunk in enumerate(chunks(pcm)):
+            yield epd_pb2.RealtimeRequest(audio=chunk)
+            if on_chunk is not None:
+                on_chunk(i)
+            if pace:
+                time.sleep(pace)
+        sent["last"] = time.monotonic()
+        yield epd_pb2.RealtimeRequest(input_done=epd_pb2.RealtimeInputDone())
+
+    responses = []
+    for r in cluster.stub.Realtime(requests(), timeout=120):
+        responses.append((time.monotonic(), r))
+    return responses, sent["last"]
+
+
+def test_grpc_realtime_streams_text_while_audio_arrives(cluster, clips):
+    pcm, expected = clips[1]
+    assert len(expected) > 20  # the clip's tokens, not an early end
+    responses, last_sent = grpc_session(cluster, pcm)
+    ids = [t for _, r in responses for t in r.token_ids]
+    assert ids == expected
+    first_at, first = next((t, r) for t, r in responses if r.token_ids)
+    assert first_at < last_sent  # text came back before the audio was all sent
+    final = responses[-1][1]
+    assert final.finish_reason == epd_pb2.FINISH_REASON_STOP
+    assert final.usage.completion_tokens == len(expected)
+    assert abs(final.audio_seconds - len(pcm) / 2 / RATE) < 1e-6
+    covered = [r.audio_seconds for _, r in responses]
+    assert covered == sorted(covered) and 0 < first.audio_seconds < covered[-1]
+    assert_nothing_left(cluster)
+
+
+def test_four_concurrent_sessions_each_get_their_tokens_and_a_fifth_is_refused(cluster, clips):
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    started = threading.Barrier(MAX_SESSIONS + 1)
+
+    def run(seed: int) -> None:
+        pcm, _ = clips[seed]
+        try:
+            responses, _ = grpc_session(
+                cluster, pcm, on_chunk=lambda i: i == 2 and started.wait(30)
+            )
+            results[seed] = [t for _, r in responses for t in r.token_ids]
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in clips]
+    for t in threads:
+        t.start()
+    started.wait(30)  # all four are streaming
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_session(cluster, clips[4][0][: 2 * CHUNK], pace=0)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "realtime_max_sessions" in refused.value.details()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for seed, (_, expected) in clips.items():
+        assert results[seed] == expected, seed
+    assert_nothing_left(cluster)
+
+
+def test_audio_faster_than_real_time_is_taken_in_order(cluster, clips):
+    pcm, expected = clips[2]
+    responses, _ = grpc_session(cluster, pcm, pace=0)
+    assert [t for _, r in responses for t in r.token_ids] == expected
+    assert_nothing_left(cluster)
+
+
+def test_grpc_session_errors(cluster, clips):
+    def call(messages):
+        return list(cluster.stub.Realtime(iter(messages), timeout=30))
+
+    config = epd_pb2.RealtimeConfig(format=epd_pb2.AUDIO_FORMAT_PCM_S16LE, sample_rate=RATE)
+    cases = [
+        ([epd_pb2.RealtimeRequest(audio=b"\0\0")], grpc.StatusCode.INVALID_ARGUMENT, "config"),
+        (
+            [epd_pb2.RealtimeRequest(config=epd_pb2.RealtimeConfig(sample_rate=RATE))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "PCM_S16LE",
+        ),
+        (
+            [
+                epd_pb2.RealtimeRequest(
+                    config=epd_pb2.RealtimeConfig(
+                        format=epd_pb2.AUDIO_FORMAT_PCM_S16LE, sample_rate=8000
+                    )
+                )
+            ],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "16000 Hz",
+        ),
+        (
+            [epd_pb2.RealtimeRequest(config=config), epd_pb2.RealtimeRequest(audio=b"\0")],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "whole number",
+        ),
+        (
+            # Over proxy.realtime_max_session_seconds (6 s) in one chunk.
+            [
+                epd_pb2.RealtimeRequest(config=config),
+                epd_pb2.RealtimeRequest(audio=b"\0\0" * (7 * RATE)),
+            ],
+            grpc.StatusCode.OUT_OF_RANGE,
+            "realtime_max_session_seconds",
+        ),
+    ]
+    for messages, code, words in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            call(messages)
+        assert e.value.code() == code and words in e.value.details(), e.value.details()
+    assert_nothing_left(cluster)
+
+
+def test_cancel_and_idle_timeout_leave_nothing(cluster, clips):
+    pcm = clips[1][0]
+    # Cancel: the client cancels the call mid-session.
+    call = None
+    go = threading.Event()
+
+    def requests():
+        yield epd_pb2.RealtimeRequest(
+            config=epd_pb2.RealtimeConfig(format=epd_pb2.AUDIO_FORMAT_PCM_S16LE, sample_rate=RATE)
+        )
+        for chunk in chunks(pcm)[:15]:
+            yield epd_pb2.RealtimeRequest(audio=chunk)
+        go.wait(30)
+
+    call = cluster.stub.Realtime(requests(), timeout=60)
+    got = 0
+    for r in call:
+        got += len(r.token_ids)
+        if got >= 2:
+            break
+    call.cancel()
+    go.set()
+    assert got >= 2
+    assert_nothing_left(cluster)
+
+    # Idle: audio, then nothing for longer than the idle timeout.
+    def idle_requests():
+        yield epd_pb2.RealtimeRequest(
+            config=epd_pb2.RealtimeConfig(format=epd_pb2.AUDIO_FORMAT_PCM_S16LE, sample_rate=RATE)
+        )
+        for chunk in chunks(pcm)[:10]:
+            yield epd_pb2.RealtimeRequest(audio=chunk)
+        time.sleep(IDLE * 3)
+
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        list(cluster.stub.Realtime(idle_requests(), timeout=60))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "realtime_idle_timeout_seconds" in e.value.details()
+    assert time.monotonic() - started < IDLE * 3
+    assert_nothing_left(cluster)
+    assert cluster.metric("epd_realtime_sessions_total", end="idle") >= 1
+    assert cluster.metric("epd_realtime_sessions_total", end="cancel") >= 1
+
+
+# -- WebSocket ----------------------------------------------------------------------------------
+
+
+async def ws_session(cluster, pcm: bytes, pace: float = 0.08, stop_after: int | None = None):
+    """Stream `pcm` through /v1/realtime as a vLLM realtime client does: (events with their
+    arrival times, the time the last chunk was sent)."""
+    url = f"ws://127.0.0.1:{cluster.proxy_http}/v1/realtime"
+    events: list[tuple[float, dict]] = []
+    async with connect(url) as ws:
+        created = json.loads(await ws.recv())
+        assert created["type"] == "session.created" and created["id"]
+        await ws.send(json.dumps({"type": "session.update", "model": "tiny"}))
+        await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+
+        async def receive():
+            async for message in ws:
+                event = json.loads(message)
+                events.append((time.monotonic(), event))
+                if event["type"] in ("transcription.done", "error"):
+                    return
+
+        receiver = asyncio.create_task(receive())
+        for i, chunk in enumerate(chunks(pcm)):
+            if stop_after is not None and i == stop_after:
+                receiver.cancel()
+                return events, None  # leaves: the socket closes mid-session
+            audio = base64.b64encode(chunk).decode()
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": audio}))
+            await asyncio.sleep(pace)
+        last_sent = time.monotonic()
+        await ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
+        await asyncio.wait_for(receiver, 60)
+    return events, last_sent
+
+
+async def test_websocket_realtime_streams_text_while_audio_arrives(cluster, clips):
+    pcm, expected = clips[1]
+    events, last_sent = await ws_session(cluster, pcm)
+    deltas = [(t, e) for t, e in events if e["type"] == "transcription.delta"]
+    done = events[-1][1]
+    assert done["type"] == "transcription.done", events[-1]
+    assert deltas[0][0] < last_sent  # the first delta came before the last chunk was sent
+    assert "".join(e["delta"] for _, e in deltas) == done["text"]
+    ids = [t for _, e in deltas for t in e["token_ids"]]
+    assert ids == expected == done["token_ids"]
+    assert done["usage"]["completion_tokens"] == len(expected)
+    await asyncio.to_thread(assert_nothing_left, cluster)
+
+
+async def test_websocket_disconnect_and_errors(cluster, clips):
+    pcm = clips[3][0]
+    await ws_session(cluster, pcm, stop_after=12)
+    await asyncio.to_thread(assert_nothing_left, cluster)
+    assert cluster.metric("epd_realtime_sessions_total", end="disconnect") >= 1
+
+    url = f"ws://127.0.0.1:{cluster.proxy_http}/v1/realtime"
+    async with connect(url) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "%%%"}))
+        error = json.loads(await ws.recv())
+        assert error["type"] == "error" and "base64" in error["error"]
+        await ws.send(json.dumps({"type": "nonsense"}))
+        error = json.loads(await ws.recv())
+        assert error["type"] == "error" and "unknown event type" in error["error"]
+        await ws.send(json.dumps({"type": "session.update", "model": "other"}))
+        error = json.loads(await ws.recv())
+        assert error["type"] == "error" and error["code"] == "not_found"
+    await asyncio.to_thread(assert_nothing_left, cluster)
+
+
+# -- faults (last: it kills an encoder) ----------------------------------------------------------
+
+
+def test_encoder_killed_mid_session_the_other_replays_the_audio(cluster, clips):
+    pcm, expected = clips[1]
+    killed: list[str] = []
+
+    def kill_the_sessions_encoder(i: int) -> None:
+        if i != 12:
+            return
+        for name, role in cluster.roles.items():
+            if role.kind != "encoder":
+                continue
+            with grpc.insecure_channel(role.address) as channel:
+                load = epd_pb2_grpc.EncoderStub(channel).GetLoad(
+                    epd_pb2.GetLoadRequest(), timeout=5
+                )
+            if load.active_streams:
+                cluster.kill(name)
+                killed.append(name)
+                return
+
+    before = cluster.metric("epd_realtime_failovers_total", role="encoder")
+    responses, _ = grpc_session(cluster, pcm, on_chunk=kill_the_sessions_encoder)
+    assert len(killed) == 1
+    assert [t for _, r in responses for t in r.token_ids] == expected
+    assert cluster.metric("epd_realtime_failovers_total", role="encoder") == before + 1
+    assert_nothing_left(cluster)
+
+
+def test_the_chunk_latency_histogram_counts_chunks(cluster):
+    assert cluster.metric("epd_realtime_chunk_latency_seconds_count") > 0
+    assert cluster.metric("epd_realtime_audio_seconds_total") > 0
+    np.testing.assert_equal(cluster.metric("epd_realtime_sessions_open"), 0)
+
+
+# -- an LM worker killed mid-session (a cluster of its own: two LM workers) ----------------------
+
+
+@pytest.fixture(scope="module")
+def two_lms(tmp_path_factory, checkpoint):
+    c = Cluster(
+        tmp_path_factory.mktemp("two-lms"), checkpoint, encoders=1, lms=2, lm={"block_size": 8}
+    )
+    yield c
+    c.stop()
+
+
+def test_lm_worker_killed_mid_session_another_continues_without_repeating(two_lms, clips):
+    pcm, expected = clips[1]
+    killed: list[str] = []
+
+    def kill_the_sessions_lm(i: int) -> None:
+        if i != 14:
+            return
+        for name, role in two_lms.roles.items():
+            if role.kind != "lm":
+                continue
+            with grpc.insecure_channel(role.address) as channel:
+                load = epd_pb2_grpc.LanguageModelStub(channel).GetLoad(
+                    epd_pb2.GetLoadRequest(), timeout=5
+                )
+            if load.realtime_sessions:
+                two_lms.kill(name)
+                killed.append(name)
+                return
+
+    responses, _ = grpc_session(two_lms, pcm, on_chunk=kill_the_sessions_lm)
+    assert len(killed) == 1
+    # Every token once, in order: the new worker re-prefilled the prompt and the tokens sent
+    # from the session's stream and went on.
+    assert [t for _, r in responses for t in r.token_ids] == expected
+    assert two_lms.metric("epd_realtime_failovers_total", role="lm") == 1
