@@ -121,10 +121,12 @@ def test_bench_serve(tiny_checkpoint, tmp_path):
         str(free_port()),
         "--plot",
         str(plot),
+        "--topology",
+        "e+pd,e+p+d,aggregated",
     )
     rows = summary["results"]
     assert {(r["topology"], r["request_rate"]) for r in rows} == {
-        (t, rate) for t in ("e+pd", "aggregated") for rate in ("inf", 10.0)
+        (t, rate) for t in ("e+pd", "e+p+d", "aggregated") for rate in ("inf", 10.0)
     }
     for row in rows:
         assert (row["completed"], row["failed"]) == (5, 0), row
@@ -133,7 +135,9 @@ def test_bench_serve(tiny_checkpoint, tmp_path):
         # once, even they arrive before the first encode of their image is published.
         if row["request_rate"] != "inf":
             assert 0 < row["cache_hit_rate"] < 1, row
-    assert len(summary["ratios"]) == 2
+    assert {(r["topology"], r["request_rate"]) for r in summary["ratios"]} == {
+        (t, rate) for t in ("e+pd", "e+p+d") for rate in ("inf", 10.0)
+    }
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 

@@ -8,6 +8,8 @@ the same cores and model:
 
 - `e+pd`: a local cluster (the `epd up` launcher: embedded Redis, encoders, LM workers, the
   proxy), requests over gRPC, or `--target` a running proxy;
+- `e+p+d`: the same with the LM split into prefill and decode workers (`--prefill-workers`,
+  `--decode-workers`; the KV goes between them through `lm.kv_connector`);
 - `aggregated`: one process that encodes its own media and decodes, with an in-process
   embedding cache: what a plain single server does, built from the same model code (the
   family's processor and encoder, the LM engine).
@@ -51,7 +53,7 @@ from models import MediaInput, load_family
 from proto import epd_pb2, epd_pb2_grpc
 from proxy.prepare import ChatMessage, Part, RequestBuilder
 
-TOPOLOGIES = ("e+pd", "aggregated")
+TOPOLOGIES = ("e+pd", "e+p+d", "aggregated")
 WORDS = (
     "describe",
     "the",
@@ -362,10 +364,10 @@ async def bench_topology(topology: str, args, model_dir: Path, datasets) -> list
     if topology == "aggregated":
         client = AggregatedServer(model_dir, _lm_config(args))
         client.start(asyncio.get_running_loop())
-    elif args.target:
+    elif args.target and topology == "e+pd":
         client = ClusterClient(args.target)
     else:
-        cluster = await asyncio.to_thread(_start_cluster, args, model_dir)
+        cluster = await asyncio.to_thread(_start_cluster, args, model_dir, topology == "e+p+d")
         client = ClusterClient(cluster.proxy.address)
     try:
         await _warm_up(client)
@@ -391,7 +393,7 @@ async def _warm_up(client) -> None:
         pass
 
 
-def _start_cluster(args, model_dir: Path) -> LocalCluster:
+def _start_cluster(args, model_dir: Path, split: bool) -> LocalCluster:
     overrides = {
         "model.path": str(model_dir),
         "proxy.grpc_port": args.grpc_port,
@@ -399,7 +401,16 @@ def _start_cluster(args, model_dir: Path) -> LocalCluster:
         **{f"lm.{k}": v for k, v in _lm_settings(args).items()},
     }
     config = load_config(None, {k: v for k, v in overrides.items() if v is not None})
-    cluster = LocalCluster(config, num_encoders=args.encoders, num_lm_workers=args.lm_workers)
+    if split:
+        cluster = LocalCluster(
+            config,
+            num_encoders=args.encoders,
+            num_lm_workers=0,
+            num_prefill_workers=args.prefill_workers,
+            num_decode_workers=args.decode_workers,
+        )
+    else:
+        cluster = LocalCluster(config, num_encoders=args.encoders, num_lm_workers=args.lm_workers)
     cluster.start()
     return cluster
 
@@ -508,7 +519,8 @@ def _finite(value):
 
 
 def _ratios(rows: list[dict]) -> list[dict]:
-    """E+PD over aggregated for each rate and reuse both ran (TTFT p50 / ITL p50 / goodput)."""
+    """Each disaggregated topology (e+pd, e+p+d) over aggregated, for each rate and reuse both
+    ran (TTFT p50 / ITL p50 / goodput)."""
     out = []
     by_key = {(r["topology"], r["request_rate"], r["reuse"]): r for r in rows}
 
@@ -517,10 +529,11 @@ def _ratios(rows: list[dict]) -> list[dict]:
 
     for (topology, rate, reuse), row in by_key.items():
         base = by_key.get(("aggregated", rate, reuse))
-        if topology != "e+pd" or base is None:
+        if topology == "aggregated" or base is None:
             continue
         out.append(
             {
+                "topology": topology,
                 "request_rate": rate,
                 "reuse": reuse,
                 "ttft_p50_vs_aggregated": ratio(row["ttft_ms"]["p50"], base["ttft_ms"]["p50"]),
@@ -534,7 +547,11 @@ def _ratios(rows: list[dict]) -> list[dict]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serving under load: TTFT / ITL / goodput per topology")
     p.add_argument("--model", help="checkpoint directory (default: the random small model)")
-    p.add_argument("--topology", default="e+pd,aggregated", help="e+pd, aggregated (both)")
+    p.add_argument(
+        "--topology",
+        default="e+pd,aggregated",
+        help="comma-separated: e+pd, e+p+d, aggregated (default: e+pd,aggregated)",
+    )
     p.add_argument("--target", help="an already running proxy (host:port) for e+pd")
     p.add_argument("--request-rate", default="1,4", help="requests/s, comma-separated; inf")
     p.add_argument("--num-requests", type=int, default=32, help="requests per rate (32)")
@@ -549,6 +566,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tpot-slo-ms", type=float, default=200.0, help="goodput's TPOT target")
     p.add_argument("--encoders", type=int, default=1, help="e+pd: encoder workers")
     p.add_argument("--lm-workers", type=int, default=1, help="e+pd: LM workers")
+    p.add_argument("--prefill-workers", type=int, default=1, help="e+p+d: prefill workers")
+    p.add_argument("--decode-workers", type=int, default=1, help="e+p+d: decode workers")
     p.add_argument("--max-num-seqs", type=int, default=32, help="LM sequences per step")
     p.add_argument("--grpc-port", type=int, help="e+pd proxy gRPC port (default 50051)")
     p.add_argument("--http-port", type=int, help="e+pd proxy HTTP port (default 8000)")
