@@ -36,6 +36,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +98,18 @@ class KVMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             **kw,
         )
+        self.recent: deque[float] = deque(maxlen=1024)  # the last transfers' seconds, any op
+
+    def observe(self, op: str, seconds: float) -> None:
+        self.seconds.labels(op).observe(seconds)
+        self.recent.append(seconds)
+
+    def percentiles(self) -> tuple[float, float]:
+        """p50 and p99 seconds of the recent transfers (0 when there was none)."""
+        recent = sorted(self.recent)
+        if not recent:
+            return 0.0, 0.0
+        return recent[len(recent) // 2], recent[min(len(recent) - 1, len(recent) * 99 // 100)]
 
 
 @dataclass
@@ -208,7 +221,7 @@ class SharedKVConnector(KVConnector):
                 self.store.delete(corrupt)
             except KVStoreError as e:
                 logger.warning("deleting corrupt KV blocks failed: %s", e)
-        self.metrics.seconds.labels("fetch").observe(time.monotonic() - started)
+        self.metrics.observe("fetch", time.monotonic() - started)
         if fetched.num_tokens:
             with self._lock:
                 self._fetched[request.request_id] = fetched
@@ -278,7 +291,7 @@ class SharedKVConnector(KVConnector):
         data = torch.stack([kv for _, kv in pending], dim=2).to(kv_cache.device, kv_cache.dtype)
         kv_cache.index_copy_(2, ids, data)
         self.metrics.blocks.labels("pulled").inc(len(pending))
-        self.metrics.seconds.labels("load").observe(time.monotonic() - started)
+        self.metrics.observe("load", time.monotonic() - started)
 
     def save_kv(self, requests: list[Request], kv_cache: torch.Tensor) -> None:
         """Send the blocks this step completed: full blocks, and a handover's tail once its
@@ -326,7 +339,7 @@ class SharedKVConnector(KVConnector):
                 nbytes = self.sender.send(target, [v for _, v in values])
                 self.metrics.bytes.labels("sent").inc(nbytes)
                 self.metrics.blocks.labels("sent_direct").inc(len(values))
-                self.metrics.seconds.labels("send").observe(time.monotonic() - started)
+                self.metrics.observe("send", time.monotonic() - started)
                 return
             except (OSError, ConnectionError) as e:
                 # The decode worker looks in Redis after its inbox: the blocks go there.
@@ -340,7 +353,7 @@ class SharedKVConnector(KVConnector):
             raise
         self.metrics.bytes.labels("sent").inc(nbytes)
         self.metrics.blocks.labels("saved").inc(len(values))
-        self.metrics.seconds.labels("save").observe(time.monotonic() - started)
+        self.metrics.observe("save", time.monotonic() - started)
 
     def request_finished(self, request_id: str) -> None:
         self._saved.pop(request_id, None)

@@ -482,6 +482,7 @@ def kv_counters(kv) -> dict[str, float]:
         for s in metrics.seconds.collect()[0].samples
         if s.name.endswith("_sum") and s.labels["op"] in ("save", "send")
     )
+    counts["kv_transfer_p50_seconds"], counts["kv_transfer_p99_seconds"] = metrics.percentiles()
     return counts
 
 

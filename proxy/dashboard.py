@@ -29,9 +29,10 @@ Everything is bounded: an hour of traffic or 50 workers cost what 15 minutes and
                                    waiting_tokens, kv_blocks_used, kv_blocks_total, kv_usage,
                                    tokens_per_second, waiting_for_embeddings, batch_size,
                                    ec_local_hits, ec_local_misses, ec_redis_hits,
-                                   ec_redis_misses, role, kv_tier, kv_bytes_sent,
-                                   kv_bytes_received, kv_blocks_pulled,
-                                   kv_blocks_corrupt, kv_address}}],
+                                   ec_redis_misses, role; with a KV tier also kv_tier,
+                                   kv_bytes_sent, kv_blocks_pulled, kv_blocks_corrupt,
+                                   kv_address, kv_transfer_p50_seconds,
+                                   kv_transfer_p99_seconds}}],
       "cache": {
         "tiers": {"proxy": {"hits": 1, "misses": 1, "hit_rate": 0.5},      # has-check
                   "lm_local": {...}, "redis": {...}},    # LM workers' fetches (null rate: none)
@@ -102,6 +103,8 @@ SERIES = (
     "lm_batch",  # mean requests per step, LM workers that are up
     "kv_sent",  # KV bytes per second into / out of the KV tier, summed over the LM workers
     "kv_received",
+    "kv_transfer_p50",  # seconds, the slowest LM worker's recent KV transfers
+    "kv_transfer_p99",
     "prefill_queue",  # waiting requests on prefill-role / decode-role LM workers
     "decode_queue",
     "encoder_busy",  # mean tower busy fraction, encoders that are up
@@ -132,13 +135,16 @@ LM_LOAD = (
     "ec_redis_hits",
     "ec_redis_misses",
     "role",
+)
+# An LM worker's KV tier, shown only where it has one (lm.kv_connector shared or direct).
+KV_LOAD = (
     "kv_tier",
     "kv_bytes_sent",
-    "kv_bytes_received",
     "kv_blocks_pulled",
     "kv_blocks_corrupt",
     "kv_address",
-    "kv_send_seconds",
+    "kv_transfer_p50_seconds",
+    "kv_transfer_p99_seconds",
 )
 
 
@@ -269,6 +275,11 @@ class Dashboard:
         for name in ("sent", "received"):
             moved = counters["kv"][name] - last["kv"][name]
             values[f"kv_{name}"] = max(moved, 0) / dt  # a restarted worker counts from 0
+        tiered = [x for x in lms if x.kv_tier not in ("", "none")]
+        for q in ("p50", "p99"):
+            values[f"kv_transfer_{q}"] = max(
+                (getattr(x, f"kv_transfer_{q}_seconds") for x in tiered), default=None
+            )
         for role in ("prefill", "decode"):
             values[f"{role}_queue"] = sum(x.waiting_requests for x in lms if x.role == role)
         values["encoder_busy"] = _mean(x.busy_fraction for x in encoders)
@@ -463,6 +474,8 @@ def _worker(w: Worker, now: float) -> dict[str, Any]:
     queued = 0
     if w.load is not None:
         names = ENCODER_LOAD if w.role == "encoder" else LM_LOAD
+        if w.role == "lm" and w.load.kv_tier not in ("", "none"):
+            names = LM_LOAD + KV_LOAD
         values = {name: getattr(w.load, name) for name in names}
         load = {k: v if isinstance(v, (int, str)) else _r(v) for k, v in values.items()}
         if w.role == "lm":

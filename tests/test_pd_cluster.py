@@ -99,6 +99,10 @@ def test_prefill_then_decode_equals_the_reference(cluster, tiny_ref, text, image
     assert cluster.metric("epd_pd_handovers_total") == handovers + 1
     # The decode worker took the whole prompt from the KV tier.
     assert last.usage.cached_prompt_tokens == last.usage.prompt_tokens
+    time.sleep(0.5)  # a load poll after the request
+    prefill = kv_loads(cluster)["prefill-0"]
+    assert prefill["kv_bytes_sent"] > 0
+    assert prefill["kv_transfer_p99_seconds"] >= prefill["kv_transfer_p50_seconds"] > 0
 
 
 def test_one_token_requests_stay_on_one_worker(cluster, tiny_ref):
