@@ -430,6 +430,9 @@ class LMConfig:
     cpu_linear: Literal["auto", "linear", "onednn"] = "auto"
     # How long a request may wait for its embeddings to appear in the cache.
     embedding_timeout_seconds: float = 120.0
+    # Admit a request at once and prefill its text up to the first item whose embedding has
+    # not arrived while that item is encoded (off: admit it once all its embeddings are in).
+    overlap_encode_prefill: bool = True
     # A step running longer than this counts as stuck: the worker says NOT_SERVING and ends its
     # streams with UNAVAILABLE, so the proxy moves them to another worker.
     step_timeout_seconds: float = 30.0
