@@ -66,8 +66,9 @@ REDACTED = "<redacted>"
 
 _ONE_GIB = ByteSize(1 << 30)
 _32_MIB = ByteSize(32 << 20)
-# Under CUDA graphs the decode attention reads max_model_len keys per sequence (static shapes):
-# without an explicit lm.max_model_len the context is capped here.
+# Under CUDA graphs the torch decode attention reads max_model_len keys per sequence (static
+# shapes); the Triton kernel used on CUDA reads only the blocks in use, but the cap stays until
+# long contexts are measured on a GPU: without an explicit lm.max_model_len it applies.
 DEFAULT_MAX_MODEL_LEN = 8192
 _AUTO_SIZE = ByteSize(0)
 
