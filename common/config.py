@@ -67,8 +67,9 @@ REDACTED = "<redacted>"
 _ONE_GIB = ByteSize(1 << 30)
 _32_MIB = ByteSize(32 << 20)
 _256_MIB = ByteSize(256 << 20)
-# Under CUDA graphs the decode attention reads max_model_len keys per sequence (static shapes):
-# without an explicit lm.max_model_len the context is capped here.
+# Under CUDA graphs the torch decode attention reads max_model_len keys per sequence (static
+# shapes); the Triton kernel used on CUDA reads only the blocks in use, but the cap stays until
+# long contexts are measured on a GPU: without an explicit lm.max_model_len it applies.
 DEFAULT_MAX_MODEL_LEN = 8192
 _AUTO_SIZE = ByteSize(0)
 
@@ -446,6 +447,9 @@ class LMConfig:
     cpu_linear: Literal["auto", "linear", "onednn"] = "auto"
     # How long a request may wait for its embeddings to appear in the cache.
     embedding_timeout_seconds: float = 120.0
+    # Admit a request at once and prefill its text up to the first item whose embedding has
+    # not arrived while that item is encoded (off: admit it once all its embeddings are in).
+    overlap_encode_prefill: bool = True
     # A step running longer than this counts as stuck: the worker says NOT_SERVING and ends its
     # streams with UNAVAILABLE, so the proxy moves them to another worker.
     step_timeout_seconds: float = 30.0

@@ -101,10 +101,8 @@ def decode(value: bytes) -> torch.Tensor:
         raise WireError("checksum mismatch")
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():
-        # NOTE: the bytes are immutable; torch warns that it cannot mark the view read-only.
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(
-            value, dtype=dtype, offset=HEADER_BYTES, count=nbytes // dtype.itemsize
-        )
+    # The module's warning filter silences torch's "not writable" warning (given once per
+    # process): a catch_warnings per call resets the interpreter's warning state and cost
+    # more than the checksum.
+    flat = torch.frombuffer(value, dtype=dtype, offset=HEADER_BYTES, count=nbytes // dtype.itemsize)
     return flat.view(shape)

@@ -1,5 +1,6 @@
-"""Attention over a paged KV cache, in pure PyTorch (CPU and CUDA; the decode path is
-capturable in a CUDA graph).
+"""Attention over a paged KV cache, in PyTorch (CPU and CUDA; the decode path is capturable in
+a CUDA graph), with decode on a GPU in a Triton kernel (lm_worker/triton_decode.py) that reads
+only the blocks each sequence uses.
 
 The cache is one tensor [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim].
 A step's tokens come packed: first `num_decodes` sequences with one new token each, then the
@@ -10,10 +11,13 @@ over its cached prefix plus itself, causally.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,6 +39,8 @@ class PagedAttention:
         self.block_size = block_size
         self.scale = head_dim**-0.5
         self.kv_cache: torch.Tensor | None = None  # allocated once the model is loaded
+        # Decode on a GPU: the Triton kernel (set by `allocate`; None: the torch path).
+        self.decode_kernel = None
 
     def allocate(
         self,
@@ -47,6 +53,8 @@ class PagedAttention:
     ) -> None:
         shape = (num_layers, 2, num_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        if device.type == "cuda":
+            self.decode_kernel = _triton_decode(self.block_size)
 
     @staticmethod
     def bytes_per_block(
@@ -96,6 +104,12 @@ class PagedAttention:
     def _decode(
         self, q, k_cache, v_cache, meta: PagedAttentionMetadata, window: int | None
     ) -> torch.Tensor:
+        if self.decode_kernel is not None and q.is_cuda:
+            return self.decode_kernel(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                self.scale, window,
+            )  # fmt: skip
+        # Every sequence's whole block table is gathered (under graphs: max_model_len keys).
         D, _, head_dim = q.shape
         tables = meta.decode_block_tables  # [D, M]
         L = tables.shape[1] * self.block_size
@@ -159,3 +173,17 @@ class PagedAttention:
             enable_gqa=True,
         )
         return out.transpose(0, 1)
+
+
+def _triton_decode(block_size: int):
+    """The Triton decode kernel, or None (logged) where it cannot run: Triton missing, or a
+    block size that is not a power of two."""
+    if block_size & (block_size - 1):
+        logger.warning("block_size %d is not a power of two: decode attention in torch", block_size)
+        return None
+    try:
+        from lm_worker.triton_decode import paged_decode
+    except ImportError as e:
+        logger.warning("Triton is not available (%s): decode attention in torch", e)
+        return None
+    return paged_decode

@@ -4,9 +4,10 @@
              -> postprocess -> stream out
 
 Requests arrive from the gRPC servicer (another thread, asyncio), checked once by `validate`,
-with their embeddings already fetched (`load_embedding`); everything that touches engine state
-runs on the engine thread, fed through an inbox. Outputs go back through the `emit` callback,
-once per step.
+with their embeddings fetched so far (`load_embedding`; the rest follow through
+`add_embeddings`, and the scheduler prefills up to the first item still lacking); everything
+that touches engine state runs on the engine thread, fed through an inbox. Outputs go back
+through the `emit` callback, once per step.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class LMEngine:
     ):
         self.runner = runner
         self.scheduler = scheduler
-        self.scheduler.is_ready = self._is_ready
+        self.scheduler.ready_tokens = self._ready_tokens
         self.kv = self.scheduler.kv = kv_connector
         self.sampler = Sampler()
         self.tokenizer = tokenizer
@@ -167,9 +168,24 @@ class LMEngine:
         request: Request,
         sink: Sink,
         embeddings: Mapping[str, LoadedEmbedding | torch.Tensor] | None = None,
+        more_to_come: bool = False,
     ) -> None:
-        """Queue a request whose embeddings (by mm_hash) are already fetched."""
-        self._submit(lambda: self._add(request, sink, embeddings or {}))
+        """Queue a request with its embeddings (by mm_hash) fetched so far. Without
+        `more_to_come` they must be all of them (the request fails otherwise); with it, the
+        rest come through `add_embeddings` and the request is prefilled up to its first item
+        still lacking meanwhile (until it comes, or `fail`)."""
+        self._submit(lambda: self._add(request, sink, embeddings or {}, more_to_come))
+
+    def add_embeddings(
+        self, request_id: str, embeddings: Mapping[str, LoadedEmbedding | torch.Tensor]
+    ) -> None:
+        """More embeddings of a request added with `more_to_come` (ignored once it ended)."""
+        self._submit(lambda: self._add_embeddings(request_id, embeddings))
+
+    def fail(self, request_id: str, error: str) -> None:
+        """End a request with its own error (its embeddings did not come, say): its blocks
+        are freed and its sink gets the error."""
+        self._submit(lambda: self._fail(request_id, error))
 
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort(request_id))
@@ -403,10 +419,10 @@ class LMEngine:
         )
         return request.num_tokens >= offset + stream.count
 
-    def _is_ready(self, request: Request) -> bool:
-        ready = self.runner.is_ready(request)
-        if not ready:
-            self.metrics.realtime_waits.inc()
+    def _ready_tokens(self, request: Request) -> int:
+        ready = self.runner.ready_tokens(request)
+        if request.realtime_session is not None and ready <= request.num_computed_tokens:
+            self.metrics.realtime_waits.inc()  # its next step waits for the audio
         return ready
 
     def _detokenize(self, live: _Live, token_id: int, final: bool) -> tuple[str, bool]:
@@ -436,6 +452,7 @@ class LMEngine:
         request: Request,
         sink: Sink,
         embeddings: Mapping[str, LoadedEmbedding | torch.Tensor],
+        more_to_come: bool = False,
     ) -> None:
         detokenizer = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         live = self.live[request.request_id] = _Live(request, sink, detokenizer)
@@ -451,7 +468,7 @@ class LMEngine:
         except EmbeddingMismatch as e:
             self._finish(request, "error", error=str(e))
             return
-        if missing:
+        if missing and not more_to_come:
             self.metrics.embedding_misses.inc(len(missing))
             self._finish(request, "error", error=f"embeddings not provided: {missing}")
             return
@@ -459,6 +476,22 @@ class LMEngine:
             self.parked[request.realtime_session] = request
             return
         self.scheduler.add(request)
+
+    def _add_embeddings(
+        self, request_id: str, embeddings: Mapping[str, LoadedEmbedding | torch.Tensor]
+    ) -> None:
+        live = self.live.get(request_id)
+        if live is None:  # ended meanwhile (aborted, failed)
+            return
+        try:
+            self.runner.add_embeddings(live.request, embeddings)
+        except EmbeddingMismatch as e:
+            self._finish(live.request, "error", error=str(e), error_kind="request")
+
+    def _fail(self, request_id: str, error: str) -> None:
+        live = self.live.get(request_id)
+        if live is not None:
+            self._finish(live.request, "error", error=error, error_kind="request")
 
     def _abort(self, request_id: str) -> None:
         live = self.live.get(request_id)

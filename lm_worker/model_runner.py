@@ -103,6 +103,8 @@ class ModelRunner:
         self.model_state.inputs_embeds = self.buffers.inputs_embeds
         self.mm = MMEmbeddings(self.is_realtime)
         self.realtime: dict[str, RealtimeStream] = {}  # session id -> its embeddings so far
+        # Request id -> the offset of its first item whose embedding has not arrived.
+        self.embeds_until: dict[str, int] = {}
         self.graphs: CudaGraphRunner | None = None
         if use_graphs:
             assert device.type == "cuda", "CUDA graphs need a CUDA device"
@@ -114,35 +116,54 @@ class ModelRunner:
     def add_request(
         self, request: Request, embeddings: Mapping[str, LoadedEmbedding | torch.Tensor]
     ) -> list[str]:
-        """Take a new request's embeddings (by mm_hash, already processed by `load_embedding`)
-        and, once they are all in, its model state (positions may depend on them: pruned
-        media). Returns the mm_hashes it still lacks (its realtime session's rows excluded:
-        they arrive as the audio does); with some lacking, the request holds no model state.
-        Raises EmbeddingMismatch when the embeddings do not fit its prompt (it is then
-        removed again)."""
+        """Take a new request and the embeddings it has so far (by mm_hash, already processed
+        by `load_embedding`). Returns the mm_hashes it still lacks (its realtime session's
+        rows excluded: they arrive as the audio does); `add_embeddings` brings them later.
+        Raises EmbeddingMismatch when the embeddings do not fit its prompt (it is then removed
+        again)."""
         self.mm.add_request(request.request_id, request.mm_features)
+        if request.realtime_session is not None:
+            self.realtime_stream(request.realtime_session)
+        try:
+            return self.add_embeddings(request, embeddings)
+        except Exception:
+            self.remove_request(request.request_id)
+            raise
+
+    def add_embeddings(
+        self, request: Request, embeddings: Mapping[str, LoadedEmbedding | torch.Tensor]
+    ) -> list[str]:
+        """More of a request's embeddings. Remakes its model state over the prompt up to its
+        first item still lacking (all of it once none lacks: positions may depend on the
+        embeddings, for pruned media) and returns the mm_hashes it still lacks. Until they
+        come, `ready_tokens` stops at that item: the text before it can be prefilled while it
+        is encoded. Raises EmbeddingMismatch when the embeddings do not fit the prompt."""
         for mm_hash, loaded in embeddings.items():
             if isinstance(loaded, torch.Tensor):
                 loaded = LoadedEmbedding(loaded)
             self.mm.put(mm_hash, loaded.embeds, loaded.positions)
-        if request.realtime_session is not None:
-            self.realtime_stream(request.realtime_session)
         missing = [h for h in self.mm.missing(request.request_id) if h != request.realtime_session]
-        if missing:
-            return missing
-        try:
+        # A prefix's positions depend on the prefix alone (a causal LM's position schemes do),
+        # so the state made from the prompt before the first lacking item is exact there.
+        end = min(
+            (f.offset for f in request.mm_features if f.mm_hash in missing),
+            default=request.num_prompt_tokens,
+        )
+        if end > 0:
             request.rope = self.model_state.rope_state(
-                request.num_prompt_tokens,
-                request.mm_features,
+                end,
+                [f for f in request.mm_features if f.offset < end],
                 self.mm.positions_of(request.request_id),
             )
-        except Exception:
-            self.mm.remove_request(request.request_id)
-            raise
-        return []
+        if missing:
+            self.embeds_until[request.request_id] = end
+        else:
+            self.embeds_until.pop(request.request_id, None)
+        return missing
 
     def remove_request(self, request_id: str) -> None:
         self.mm.remove_request(request_id)
+        self.embeds_until.pop(request_id, None)
 
     def load_embedding(
         self, mm_hash: str, tensor: torch.Tensor, num_embeds: int
@@ -159,6 +180,14 @@ class ModelRunner:
                 self.model_state.hidden_size, self.dtype, self.device
             )
         return stream
+
+    def ready_tokens(self, request: Request) -> int:
+        """How many of the request's tokens can be computed now (the scheduler's limit): up
+        to its first item whose embedding has not arrived; for a realtime request, none past
+        those computed until the embedding of its next position is there."""
+        if not self.is_ready(request):
+            return request.num_computed_tokens
+        return self.embeds_until.get(request.request_id, request.num_tokens)
 
     def is_ready(self, request: Request) -> bool:
         """Realtime: the embeddings up to the request's next token have arrived."""

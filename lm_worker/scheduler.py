@@ -2,7 +2,10 @@
 
 Each step: running requests first (decodes, then the rest of partial prefills), then waiting
 requests in arrival order while the token budget, the sequence cap and the KV blocks allow. A
-prefill chunk may stop anywhere, through the middle of an image's placeholders included. When a
+prefill chunk may stop anywhere, through the middle of an image's placeholders included, and
+stops at the first item whose embedding has not arrived (`ready_tokens`): the text before an
+image is prefilled while the image is encoded, and the request stays resident (a waiting one
+keeps its place without holding up those behind it) until the embedding comes. When a
 running request cannot get a block, the most recently admitted other one is preempted (never the
 request being scheduled while another runs): its blocks are freed and it goes back to the front
 of the queue, to be recomputed (its outputs so far are kept).
@@ -39,13 +42,14 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        is_ready: Callable[[Request], bool] = lambda request: True,
+        ready_tokens: Callable[[Request], int] = lambda request: request.num_tokens,
     ):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # Realtime requests decode only once the embedding for their next position is there.
-        self.is_ready = is_ready
+        # How many of a request's tokens can be computed now: up to its first item whose
+        # embedding has not arrived (realtime: up to the last position with an embedding).
+        self.ready_tokens = ready_tokens
         self.kv = None  # the engine's KV connector (lm_worker/kv_connector.py), if any
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -69,8 +73,9 @@ class Scheduler:
                 continue
             if budget == 0:
                 break
-            remaining = request.num_tokens - request.num_computed_tokens
-            if not self.is_ready(request):
+            ready = min(request.num_tokens, self.ready_tokens(request))
+            remaining = ready - request.num_computed_tokens
+            if remaining <= 0:
                 continue
             num_new = min(remaining, budget)
             while not self.blocks.can_append(request, num_new):
@@ -94,15 +99,23 @@ class Scheduler:
             (decodes if num_new == 1 else prefills).append((request, num_new))
             budget -= num_new
 
+        blocked: list[Request] = []  # waiting requests with nothing to compute yet
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if preempted:
                 break  # KV is short this step: no admissions
             request = self.waiting[0]
+            ready = min(request.num_tokens, self.ready_tokens(request))
             cached = self.blocks.cached_prefix(request)
             num_local = len(cached) * self.blocks.block_size
             # Tokens a KV connector holds past the local prefix (loaded before the forward).
             num_remote = self.kv.num_matched_tokens(request, num_local) if self.kv else 0
-            num_new = min(request.num_tokens - num_local - num_remote, budget)
+            # Held KV, local or remote, may reach past an item whose embedding is still coming
+            # (block hashes include the items' hashes): it is used, but nothing past that item
+            # is computed before the embedding is there.
+            num_new = min(ready - num_local - num_remote, budget)
+            if num_new <= 0:  # nothing to compute yet: it keeps its place
+                blocked.append(self.waiting.popleft())
+                continue
             if not self.blocks.can_allocate(request, num_remote + num_new, cached):
                 break
             self.waiting.popleft()
@@ -116,6 +129,7 @@ class Scheduler:
             self.running.append(request)
             (decodes if num_new == 1 else prefills).append((request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(blocked))
 
         batch = ScheduledBatch(preempted=preempted, num_decodes=len(decodes))
         for request, num_new in decodes + prefills:

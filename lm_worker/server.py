@@ -1,9 +1,11 @@
 """The LM worker: the `LanguageModel` gRPC service over the engine (lm_worker/engine.py).
 
-Per Generate call: check and convert the request (protobuf stops here) -> wait for its
-embeddings in the EC connector (notified, bounded; misses are reported on the stream so the
-proxy can re-encode) -> hand it to the engine -> stream its outputs back. A client that goes
-away aborts the request in the engine.
+Per Generate call: check and convert the request (protobuf stops here) -> hand it to the
+engine at once, which prefills it up to its first item whose embedding is not in yet, while its
+embeddings are fetched from the EC connector as they appear (notified, bounded; misses are
+reported on the stream so the proxy can re-encode) and fed to the engine -> stream its outputs
+back. With `lm.overlap_encode_prefill` off, the request waits for all its embeddings before
+the engine sees it. A client that goes away aborts the request in the engine.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import dataclasses
 import logging
 import time
 import uuid
+from dataclasses import dataclass
+from functools import partial
 
 import grpc
 import numpy as np
@@ -131,9 +135,10 @@ class EmbeddingFetcher:
         self.timeout = timeout
         self.waiting = 0  # requests waiting for embeddings (GetLoad)
 
-    async def fetch(self, request: Request, report) -> dict[str, LoadedEmbedding]:
+    async def fetch(self, request: Request, report, deliver=None) -> dict[str, LoadedEmbedding]:
         """{mm_hash: tensor on the engine's device}. `report(hashes)` is awaited with each
-        set of hashes newly found missing. Raises TimeoutError after `timeout` seconds."""
+        set of hashes newly found missing; `deliver(found)`, when given, is called with each
+        set as it is fetched. Raises TimeoutError after `timeout` seconds."""
         # A realtime session's rows come through its stream (lm_worker/realtime.py).
         needed = {
             f.mm_hash: f.num_embeds
@@ -148,10 +153,14 @@ class EmbeddingFetcher:
             while True:
                 pending = [h for h in needed if h not in found]
                 fetched, misses = await self.connector.get_many(pending)
+                loaded = {}
                 for h, tensor in fetched.items():
-                    found[h] = await asyncio.to_thread(
+                    loaded[h] = await asyncio.to_thread(
                         self.engine.load_embedding, h, tensor, needed[h]
                     )
+                found.update(loaded)
+                if deliver is not None and loaded:
+                    deliver(loaded)
                 if not misses:
                     return found
                 new = [h for h in misses if h not in reported]
@@ -181,6 +190,27 @@ class _Active:
         self.fetch: asyncio.Future | None = None
         self.aborted = False
         self.in_engine = False
+        self.embedding_wait: float | None = None  # seconds until every embedding was in
+
+
+@dataclass
+class _FetchFailed:
+    """Put on a request's output queue when its embeddings cannot be had (overlap: the
+    request is already in the engine): the status its stream ends with."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+def _fetch_status(e: BaseException) -> grpc.StatusCode | None:
+    """The status a failed embedding fetch ends its stream with (None: not a fetch error)."""
+    if isinstance(e, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(e, EmbeddingMismatch):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(e, ConnectorError):
+        return grpc.StatusCode.UNAVAILABLE
+    return None
 
 
 class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
@@ -340,24 +370,24 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             finished = False
             try:
                 embeddings = {}
-                if any(f.mm_hash != session for f in req.mm_features):
 
-                    async def report(hashes: list[str]) -> None:
-                        await context.write(epd_pb2.LMGenerateResponse(missing_mm_hashes=hashes))
+                async def report(hashes: list[str]) -> None:
+                    await context.write(epd_pb2.LMGenerateResponse(missing_mm_hashes=hashes))
 
+                # Media embeddings come from the connector (a realtime session's rows come
+                # through its stream).
+                media = any(f.mm_hash != session for f in req.mm_features)
+                overlap = media and self.config.lm.overlap_encode_prefill
+                if media and not overlap:
                     live.fetch = asyncio.ensure_future(self.fetcher.fetch(req, report))
                     try:
                         embeddings = await live.fetch
                     except asyncio.CancelledError:
                         if not live.aborted or asyncio.current_task().cancelling():
                             raise
-                    except TimeoutError as e:
-                        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-                    except EmbeddingMismatch as e:
-                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-                    except ConnectorError as e:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-                wait = time.monotonic() - started
+                    except (TimeoutError, EmbeddingMismatch, ConnectorError) as e:
+                        await context.abort(_fetch_status(e), str(e))
+                    live.embedding_wait = time.monotonic() - started
                 if live.aborted:  # aborted before the engine had it: it ends here
                     finished = True
                     await context.write(
@@ -375,8 +405,15 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                         engine.kv.prefetch, req, request.kv_handover, request.kv_target
                     )
                 req.arrival = time.monotonic()
-                engine.add_request(req, queue.put_nowait, embeddings)
+                admitted = req.arrival - started  # before the engine had it
+                engine.add_request(req, queue.put_nowait, embeddings, more_to_come=overlap)
                 live.in_engine = True
+                if overlap:
+                    # The engine prefills the text before the first item while the rest is
+                    # fetched (and encoded): the fetch feeds it as embeddings arrive.
+                    feed = partial(engine.add_embeddings, req.request_id)
+                    live.fetch = asyncio.ensure_future(self.fetcher.fetch(req, report, feed))
+                    live.fetch.add_done_callback(partial(self._fetched, req.request_id, started))
                 if session is not None:
 
                     def stream_failed(error: str, request_id: str = req.request_id) -> None:
@@ -386,7 +423,10 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
 
                     self.feeder.start(session, stream_failed)
                 while True:
-                    out: RequestOutput = await queue.get()
+                    out: RequestOutput | _FetchFailed = await queue.get()
+                    if isinstance(out, _FetchFailed):
+                        finished = True
+                        await context.abort(out.code, out.message)
                     if out.finish_reason == "error":
                         finished = True
                         # A request that failed alone is not retried on another worker, and
@@ -401,11 +441,12 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                         finished = True
                         if engine.kv is not None:  # a handover's blocks are all stored first
                             await wait_saves(engine.kv, req.request_id)
-                        msg.timings.embedding_wait_seconds = wait
+                        if live.embedding_wait is not None:
+                            msg.timings.embedding_wait_seconds = live.embedding_wait
                         msg.timings.total_seconds = time.monotonic() - started
                         if "time_to_first_token_seconds" in out.timings:
                             msg.timings.time_to_first_token_seconds = (
-                                out.timings["time_to_first_token_seconds"] + wait
+                                out.timings["time_to_first_token_seconds"] + admitted
                             )
                     await context.write(msg)
                     if finished:
@@ -421,6 +462,23 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                 if session is not None:
                     await self.feeder.stop(session)
 
+    def _fetched(self, request_id: str, started: float, fetch: asyncio.Future) -> None:
+        """An overlapped fetch ended: note its wait, or fail the request in the engine (its
+        blocks freed) and end its stream with the fetch's status."""
+        live = self.active.get(request_id)
+        if live is None or fetch.cancelled():
+            return
+        e = fetch.exception()
+        if e is None:
+            live.embedding_wait = time.monotonic() - started
+            return
+        code = _fetch_status(e)
+        if code is None:
+            logger.error("embedding fetch for %s failed", request_id, exc_info=e)
+            code = grpc.StatusCode.INTERNAL
+        self.engine.fail(request_id, str(e))
+        live.queue.put_nowait(_FetchFailed(code, str(e)))
+
     async def Abort(self, request: epd_pb2.AbortRequest, context) -> epd_pb2.AbortResponse:
         """Abort a request in any state: waiting for its embeddings (the wait is cancelled and
         its stream ends with FINISH_REASON_ABORT) or in the engine."""
@@ -428,10 +486,10 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         if live is None or live.aborted:
             return epd_pb2.AbortResponse(aborted=False)
         live.aborted = True
+        if live.fetch is not None:
+            live.fetch.cancel()
         if live.in_engine:
             self.engine.abort(request.request_id)
-        elif live.fetch is not None:
-            live.fetch.cancel()
         return epd_pb2.AbortResponse(aborted=True)
 
     async def GetLoad(self, request, context) -> epd_pb2.LMLoad:

@@ -9,8 +9,8 @@
 NOTE: the LM request goes out as soon as the prompt is ready instead of after the encodes:
 the LM worker's wait is woken by the connector's publish the moment the last embedding lands,
 so the request costs no extra round trip through the proxy, and a held image no wait at all.
-(The LM worker admits a request once all its embeddings are there; prefilling the text before
-the first missing item while it encodes is a possible next step, not done yet.)
+The LM worker admits the request at once and prefills the text before its first missing item
+while that item is encoded (`lm.overlap_encode_prefill`).
 """
 
 from __future__ import annotations

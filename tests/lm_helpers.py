@@ -81,9 +81,17 @@ class Case:
 def case(ref: ReferenceModel, request_id: str, text: str, images=(), max_tokens: int = 24) -> Case:
     """A chat prompt with `images` (PNG bytes) before the text, and the reference's greedy
     tokens for it."""
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    return case_parts(ref, request_id, [*images, text], max_tokens)
+
+
+def case_parts(ref: ReferenceModel, request_id: str, parts, max_tokens: int = 24) -> Case:
+    """A chat prompt of `parts` in order (text, or PNG bytes for an image), and the
+    reference's greedy tokens for it."""
+    content = [
+        {"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts
+    ]
     messages = [{"role": "user", "content": content}]
-    items = [ImageItem(b) for b in images]
+    items = [ImageItem(p) for p in parts if isinstance(p, bytes)]
     prepared = ref.prepare(messages, items)
     embeds = ref.embed_media(prepared.media)
     features, embeddings = [], {}

@@ -88,12 +88,15 @@ def test_bench_proxy(tiny_checkpoint):
         "1",
         "--image-size",
         "56",
+        "--prefix-words",
+        "20",
         "--grpc-port",
         str(free_port()),
         "--http-port",
         str(free_port()),
     )
     assert summary["proxy_p50_ms"] > 0 and summary["held_vs_cold_ttft"] > 0
+    assert summary["overlap_vs_serial_ttft"] > 0 and summary["overlap_prompt_tokens"] > 0
 
 
 @pytest.mark.timeout(300)

@@ -81,3 +81,86 @@ def test_graph_speedup(tmp_path_factory):
         )
         if batch == 1:
             assert times["on"] >= MIN_SPEEDUP_AT_BATCH_1 * times["off"], times
+
+
+def _decode_case(dtype, seq_lens, head_dim, block=16, kv_heads=2, heads=8, width=None):
+    """A PagedAttention with a random cache and decode metadata over scattered blocks, block
+    tables `width` wide (wider than the longest sequence needs, as under graphs)."""
+    from lm_worker.attention import PagedAttention, PagedAttentionMetadata
+
+    torch.manual_seed(0)
+    need = [-(-n // block) for n in seq_lens]
+    att = PagedAttention(block, head_dim)
+    att.allocate(1, sum(need) + 8, kv_heads, head_dim, dtype, torch.device("cuda"))
+    att.kv_cache.normal_()
+    width = width or max(need) + 3
+    order = (torch.randperm(sum(need) + 7) + 1).tolist()  # never the null block 0
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.long)
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor([order.pop() for _ in range(n)])
+    meta = PagedAttentionMetadata(
+        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long, device="cuda"),
+        num_decodes=len(seq_lens),
+        decode_block_tables=tables.cuda(),
+        decode_seq_lens=torch.tensor(seq_lens, device="cuda"),
+        prefill_query_lens=[],
+        prefill_seq_lens=[],
+        prefill_block_tables=[],
+    )
+    q = torch.randn(len(seq_lens), heads, head_dim, dtype=dtype, device="cuda")
+    return att, q, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_triton_paged_decode_matches_the_torch_path(dtype, window, head_dim):
+    att, q, meta = _decode_case(dtype, [1, 16, 17, 100, 250], head_dim)
+    assert att.decode_kernel is not None, "the Triton decode kernel is not in use on CUDA"
+    k_cache, v_cache = att.kv_cache[0]
+    got = att._decode(q, k_cache, v_cache, meta, window)
+    att.decode_kernel = None  # the torch path: gathers every table's full width
+    want = att._decode(q, k_cache, v_cache, meta, window)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_triton_paged_decode_in_a_graph_follows_the_lengths_written_later():
+    att, q, meta = _decode_case(torch.bfloat16, [5, 40, 130], 64, width=64)
+    k_cache, v_cache = att.kv_cache[0]
+    att._decode(q, k_cache, v_cache, meta, None)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = att._decode(q, k_cache, v_cache, meta, None)
+    meta.decode_seq_lens.copy_(torch.tensor([70, 3, 200], device="cuda"))
+    graph.replay()
+    kernel = att.decode_kernel
+    att.decode_kernel = None
+    want = att._decode(q, k_cache, v_cache, meta, None)
+    att.decode_kernel = kernel
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+
+
+def test_triton_paged_decode_speed_at_long_context():
+    # What graphs gain from reading only the used blocks: 8 sequences, tables 8192 tokens
+    # wide (the torch path gathers all of them), half of them used. Printed with -s.
+    att, q, meta = _decode_case(torch.bfloat16, [4096] * 8, 128, kv_heads=4, heads=32, width=512)
+    k_cache, v_cache = att.kv_cache[0]
+    times = {}
+    for name, kernel in (("triton", att.decode_kernel), ("torch", None)):
+        att.decode_kernel = kernel
+        for _ in range(3):
+            att._decode(q, k_cache, v_cache, meta, None)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(20):
+            att._decode(q, k_cache, v_cache, meta, None)
+        torch.cuda.synchronize()
+        times[name] = (time.perf_counter() - started) / 20
+    print(
+        f"\ndecode attention, 8 x 4096 tokens in 8192-token tables: triton "
+        f"{times['triton'] * 1e6:.0f} us, torch {times['torch'] * 1e6:.0f} us "
+        f"({times['torch'] / times['triton']:.1f}x)"
+    )
+    assert times["triton"] > 0

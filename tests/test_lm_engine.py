@@ -333,3 +333,11 @@ def test_abort_mid_stream(tiny_checkpoint, cases):
     finally:
         engine.stop()
     assert engine.scheduler.blocks.num_used == 0
+
+
+def test_the_cpu_engine_never_imports_triton(tiny_checkpoint):
+    import sys
+
+    engine = make_engine(tiny_checkpoint)
+    assert engine.runner.attention.decode_kernel is None
+    assert "triton" not in sys.modules and "lm_worker.triton_decode" not in sys.modules

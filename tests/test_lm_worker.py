@@ -17,7 +17,7 @@ from common.served_model import resolve_model
 from connector import ECConnector, EmbeddedRedis
 from proto import epd_pb2, epd_pb2_grpc
 from tests.helpers import RoleProcess, write_config
-from tests.lm_helpers import case, png
+from tests.lm_helpers import case, case_parts, png
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +136,43 @@ def test_a_miss_fails_only_its_own_request(lm, tiny_ref):
     assert isinstance(error, grpc.RpcError)
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "did not arrive within 3s" in error.details()
+    # It was prefilled up to its image meanwhile (overlap): its blocks are freed.
+    load = _settled_load(stub)
+    assert load.running_requests == 0 and load.kv_blocks_used == 0
+
+
+def _settled_load(stub, timeout: float = 10.0) -> epd_pb2.LMLoad:
+    """GetLoad once no request is left in the engine (ends are applied on its thread)."""
+    deadline = time.monotonic() + timeout
+    load = stub.GetLoad(epd_pb2.GetLoadRequest())
+    while (load.running_requests or load.waiting_requests) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        load = stub.GetLoad(epd_pb2.GetLoadRequest())
+    return load
+
+
+def test_text_before_a_missing_image_is_prefilled_before_it_arrives(lm, tiny_ref):
+    stub, publisher, _ = lm
+    c = case_parts(
+        tiny_ref, "overlap-1", ["A few words ahead of the picture:", png(56, 56, (7, 70, 7)), "?"]
+    )
+    stream = stub.Generate(lm_request(c), timeout=60)
+    first = next(stream)
+    assert list(first.missing_mm_hashes) == list(c.embeddings)
+    # In the engine already, holding the KV of the text before the image.
+    deadline = time.monotonic() + 10
+    load = stub.GetLoad(epd_pb2.GetLoadRequest())
+    while not (load.running_requests and load.kv_blocks_used) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        load = stub.GetLoad(epd_pb2.GetLoadRequest())
+    assert load.running_requests == 1 and load.kv_blocks_used > 0
+    assert load.waiting_for_embeddings == 1
+    for mm_hash, tensor in c.embeddings.items():
+        publisher.put(mm_hash, tensor)
+    tokens, messages = collect(stream)
+    assert tokens == c.expected
+    timings = messages[-1].timings
+    assert 0 < timings.embedding_wait_seconds < timings.time_to_first_token_seconds
 
 
 @pytest.mark.parametrize(

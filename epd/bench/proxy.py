@@ -7,7 +7,11 @@ proxy) and measures, side by side in one run:
   interleaved; the difference of the p50s (target <= 1 ms);
 - time to first token for a held image vs a cold one: each request puts unique text before its
   image (so the LM's prefix cache cannot help either side); cold requests bring a new image,
-  held ones an image the cache already holds (target held <= 0.5x cold).
+  held ones an image the cache already holds (target held <= 0.5x cold);
+- time to first token for a cold image after a longer text, with the LM worker prefilling that
+  text while the image encodes (`lm.overlap_encode_prefill`, the default) vs without: a second
+  cluster with overlap off runs beside the first, requests alternate between them round by
+  round (target <= 0.85x).
 The last line is one JSON object.
 """
 
@@ -23,6 +27,7 @@ import grpc
 from PIL import Image
 
 from common.config import load_config
+from common.process import free_port
 from common.server import GRPC_OPTIONS
 from epd.launcher import LocalCluster
 from proto import epd_pb2, epd_pb2_grpc
@@ -74,20 +79,80 @@ def run(args: argparse.Namespace) -> int:
         "proxy.http_port": args.http_port,
     }
     config = load_config(None, {k: v for k, v in overrides.items() if v is not None})
+    # The side without overlap: the same cluster on its own ports and Redis.
+    serial = load_config(
+        None,
+        {
+            **{k: v for k, v in overrides.items() if v is not None},
+            "proxy.grpc_port": free_port(),
+            "proxy.http_port": free_port(),
+            "lm.overlap_encode_prefill": False,
+        },
+    )
     cluster = LocalCluster(config, num_encoders=1, num_lm_workers=1)
-    cluster.start()
+    baseline = LocalCluster(serial, num_encoders=1, num_lm_workers=1)
     try:
+        cluster.start()
+        baseline.start()
         with (
             grpc.insecure_channel(cluster.proxy.address, options=GRPC_OPTIONS) as proxy_channel,
+            grpc.insecure_channel(baseline.proxy.address, options=GRPC_OPTIONS) as serial_channel,
             grpc.insecure_channel(cluster.lm_workers[0].address) as lm_channel,
         ):
             proxy = epd_pb2_grpc.InferenceStub(proxy_channel)
             lm = epd_pb2_grpc.LanguageModelStub(lm_channel)
             summary = _measure(proxy, lm, args)
+            summary.update(_overlap(proxy, epd_pb2_grpc.InferenceStub(serial_channel), args))
     finally:
+        baseline.stop()
         cluster.stop()
     print(json.dumps(summary))
     return 0
+
+
+_VOCABULARY = (
+    "the quick survey of harbour records lists ships cargo weather crews tides and notes "
+    "from each morning watch about lamps ropes sails bread water salt wind and rain"
+)
+_WORDS = _VOCABULARY.split()
+
+
+def _long_text(n: int, seed: int) -> str:
+    """`n` words, unique to `seed` from the first word on (no shared prefix to cache)."""
+    words = [_WORDS[(seed * 7 + k * (seed % 5 + 1)) % len(_WORDS)] for k in range(n)]
+    return f"Record {seed}: " + " ".join(words)
+
+
+def _overlap(overlapped, serial, args) -> dict:
+    """Cold-image TTFT after `args.prefix_words` words of text: overlap on vs off."""
+    sides = {"overlap": overlapped, "serial": serial}
+    for stub in sides.values():  # warm both paths (tower, prefill shapes)
+        _ttft(stub, _chat([_long_text(args.prefix_words, 99_999), _image(64, 99_999), "?"], 1))
+    ttfts: dict[str, list[float]] = {"overlap": [], "serial": []}
+    prompt_tokens = 0
+    for i in range(args.image_requests):
+        order = ["overlap", "serial"] if i % 2 == 0 else ["serial", "overlap"]
+        for side in order:
+            seed = 20_000 + 2 * i + (side == "serial")
+            request = _chat([_long_text(args.prefix_words, seed), _image(args.image_size, seed)], 1)
+            t, last = _ttft(sides[side], request)
+            assert last.usage.mm_items_encoded == 1, "a cold image must be encoded"
+            prompt_tokens = last.usage.prompt_tokens
+            ttfts[side].append(t)
+    p50 = {side: statistics.median(v) for side, v in ttfts.items()}
+    ratio = p50["overlap"] / p50["serial"]
+    print(
+        f"time to first token, cold {args.image_size}x{args.image_size} image after "
+        f"{args.prefix_words} words ({prompt_tokens} prompt tokens): overlap p50 "
+        f"{p50['overlap'] * 1e3:.1f} ms, without {p50['serial'] * 1e3:.1f} ms ({ratio:.2f}x)",
+        flush=True,
+    )
+    return {
+        "overlap_prompt_tokens": prompt_tokens,
+        "cold_ttft_overlap_p50_ms": round(p50["overlap"] * 1e3, 2),
+        "cold_ttft_serial_p50_ms": round(p50["serial"] * 1e3, 2),
+        "overlap_vs_serial_ttft": round(ratio, 3),
+    }
 
 
 def _measure(proxy, lm, args) -> dict:
@@ -147,11 +212,20 @@ def _measure(proxy, lm, args) -> dict:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("proxy", help="proxy overhead vs the LM worker direct; held vs cold TTFT")
+    p = sub.add_parser(
+        "proxy",
+        help="proxy overhead vs the LM worker direct; held vs cold TTFT; overlap on vs off",
+    )
     p.add_argument("--model", help="checkpoint directory (default: the built-in small model)")
     p.add_argument("--requests", type=int, default=50, help="one-token requests per side")
     p.add_argument("--image-requests", type=int, default=8, help="image requests per side")
     p.add_argument("--image-size", type=int, default=448, help="square image side in pixels")
+    p.add_argument(
+        "--prefix-words",
+        type=int,
+        default=200,
+        help="words of text before the image in the overlap comparison",
+    )
     p.add_argument("--grpc-port", type=int, help="proxy gRPC port (default 50051)")
     p.add_argument("--http-port", type=int, help="proxy HTTP port (default 8000)")
     p.set_defaults(func=run)
