@@ -102,6 +102,7 @@ class LMEngine:
         # they enter the scheduler once they are (a prefill never runs short of its rows).
         self.parked: dict[str, Request] = {}
         self.tokens_generated = 0
+        self.realtime_waiting_steps = 0  # steps realtime requests sat out for their audio
         self._inbox: list[Callable[[], None]] = []
         self._cv = threading.Condition()
         self._stopping = False
@@ -400,6 +401,7 @@ class LMEngine:
     def _is_ready(self, request: Request) -> bool:
         ready = self.runner.is_ready(request)
         if not ready:
+            self.realtime_waiting_steps += 1
             self.metrics.realtime_waits.inc()
         return ready
 

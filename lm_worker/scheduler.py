@@ -97,6 +97,8 @@ class Scheduler:
             if preempted:
                 break  # KV is short this step: no admissions
             request = self.waiting[0]
+            if not self.is_ready(request):
+                break  # a preempted realtime request: its recompute waits for its rows
             cached = self.blocks.cached_prefix(request)
             num_new = min(request.num_tokens - len(cached) * self.blocks.block_size, budget)
             if not self.blocks.can_allocate(request, num_new, cached):

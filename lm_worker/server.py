@@ -391,6 +391,7 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             waiting_for_embeddings=self.fetcher.waiting,
             realtime_sessions=self.feeder.open,
             realtime_rows=sum(s.count for s in list(self.engine.runner.realtime.values())),
+            realtime_waiting_steps=self.engine.realtime_waiting_steps,
             **load,
             **_fetches_by_tier(self.connector),
         )

@@ -488,7 +488,7 @@ class LMGenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., missing_mm_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LMLoad(_message.Message):
-    __slots__ = ("worker_id", "running_requests", "waiting_requests", "running_tokens", "waiting_tokens", "kv_blocks_used", "kv_blocks_total", "tokens_per_second", "waiting_for_embeddings", "ec_local_hits", "ec_local_misses", "ec_redis_hits", "ec_redis_misses", "batch_size", "max_model_len", "realtime_sessions", "realtime_rows")
+    __slots__ = ("worker_id", "running_requests", "waiting_requests", "running_tokens", "waiting_tokens", "kv_blocks_used", "kv_blocks_total", "tokens_per_second", "waiting_for_embeddings", "ec_local_hits", "ec_local_misses", "ec_redis_hits", "ec_redis_misses", "batch_size", "max_model_len", "realtime_sessions", "realtime_rows", "realtime_waiting_steps")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -506,6 +506,7 @@ class LMLoad(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     REALTIME_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     REALTIME_ROWS_FIELD_NUMBER: _ClassVar[int]
+    REALTIME_WAITING_STEPS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running_requests: int
     waiting_requests: int
@@ -523,4 +524,5 @@ class LMLoad(_message.Message):
     max_model_len: int
     realtime_sessions: int
     realtime_rows: int
-    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., waiting_for_embeddings: _Optional[int] = ..., ec_local_hits: _Optional[int] = ..., ec_local_misses: _Optional[int] = ..., ec_redis_hits: _Optional[int] = ..., ec_redis_misses: _Optional[int] = ..., batch_size: _Optional[float] = ..., max_model_len: _Optional[int] = ..., realtime_sessions: _Optional[int] = ..., realtime_rows: _Optional[int] = ...) -> None: ...
+    realtime_waiting_steps: int
+    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., waiting_for_embeddings: _Optional[int] = ..., ec_local_hits: _Optional[int] = ..., ec_local_misses: _Optional[int] = ..., ec_redis_hits: _Optional[int] = ..., ec_redis_misses: _Optional[int] = ..., batch_size: _Optional[float] = ..., max_model_len: _Optional[int] = ..., realtime_sessions: _Optional[int] = ..., realtime_rows: _Optional[int] = ..., realtime_waiting_steps: _Optional[int] = ...) -> None: ...
