@@ -200,3 +200,28 @@ def test_bench_soak(tiny_checkpoint):
     assert summary["errors"] == 0, summary["intervals"]
     assert len(summary["intervals"]) >= 2
     assert set(summary["rss_growth_mib"]) >= {"proxy", "lm-0", "encoder-0", "redis"}
+
+
+def test_bench_realtime():
+    summary = bench(
+        "realtime",
+        "--sessions",
+        "2",
+        "--seconds",
+        "1.2",
+        "--grpc-port",
+        str(free_port()),
+        "--http-port",
+        str(free_port()),
+    )
+    rows = {r["topology"]: r for r in summary["results"]}
+    assert set(rows) == {"e+pd", "aggregated"}
+    # The same greedy transcription of the same clip on both sides, every session.
+    tokens = {t for r in rows.values() for t in r["tokens_per_session"]}
+    assert len(tokens) == 1 and tokens.pop() > 0
+    for row in rows.values():
+        assert row["chunks_measured"] == 2 * 15  # every 80 ms chunk of every session
+        lat = row["chunk_latency_ms"]
+        assert 0 < lat["p50"] <= lat["p99"]
+        assert row["rtf"]["mean"] >= 1.0  # paced at real time: never faster than the audio
+    assert summary["e+pd_over_aggregated_p50"] > 0
