@@ -367,7 +367,7 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                 if not finished and live.in_engine:  # the client went away, or its deadline
                     engine.abort(req.request_id)
                 if session is not None:
-                    await self.feeder.stop(session)
+                    self.feeder.stop(session)
 
     async def Abort(self, request: epd_pb2.AbortRequest, context) -> epd_pb2.AbortResponse:
         """Abort a request in any state: waiting for its embeddings (the wait is cancelled and

@@ -10,9 +10,9 @@ side by side on the same checkpoint, clip and cores:
 Each session streams the same speech-like clip in 80 ms chunks, paced at real time. Per chunk:
 its latency, from the chunk being sent to the first delta whose audio covers its end (the
 model's own transcription delay is not in it: a delta covers the positions it has read). Per
-session: its real-time factor, (first chunk sent -> last delta) / audio seconds (1.0 is the
-floor at real-time pace; above it, the session falls behind). Prints a line per topology and,
-last, one JSON object.
+session: its real-time factor, (first chunk sent -> last delta) / audio seconds (about 1.0
+when it keeps up at real-time pace; above it, the session falls behind). Prints a line per
+topology and, last, one JSON object.
 """
 
 from __future__ import annotations
