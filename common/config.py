@@ -395,6 +395,7 @@ class EncoderConfig:
             parse_address(self.advertise, "advertise")
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
         _check_positive("max_audio_seconds", self.max_audio_seconds)
+        _check_positive("max_streams", self.max_streams)
         for key in ("max_batch_items", "max_batch_tokens", "max_image_pixels", "max_video_frames"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
@@ -493,7 +494,13 @@ class LMConfig:
             raise ConfigError("kv_port", f"must be in 0..65535, got {self.kv_port}")
         if self.advertise is not None:
             parse_address(self.advertise, "advertise")
-        for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch_size"):
+        for key in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "max_graph_batch_size",
+            "max_realtime_sessions",
+        ):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -172,6 +172,7 @@ BENCH_MODULES = (
     "epd.bench.encoder",
     "epd.bench.lm",
     "epd.bench.proxy",
+    "epd.bench.realtime",
     "epd.bench.soak",
     "epd.bench.serve",
     "epd.bench.pd",

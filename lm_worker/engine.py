@@ -105,6 +105,7 @@ class LMEngine:
         # they enter the scheduler once they are (a prefill never runs short of its rows).
         self.parked: dict[str, Request] = {}
         self.tokens_generated = 0
+        self.realtime_waiting_steps = 0  # steps realtime requests sat out for their audio
         self._inbox: list[Callable[[], None]] = []
         self._cv = threading.Condition()
         self._stopping = False
@@ -422,7 +423,9 @@ class LMEngine:
     def _ready_tokens(self, request: Request) -> int:
         ready = self.runner.ready_tokens(request)
         if request.realtime_session is not None and ready <= request.num_computed_tokens:
-            self.metrics.realtime_waits.inc()  # its next step waits for the audio
+            # Its next step waits for the audio (a preempted one's recompute, for its rows).
+            self.realtime_waiting_steps += 1
+            self.metrics.realtime_waits.inc()
         return ready
 
     def _detokenize(self, live: _Live, token_id: int, final: bool) -> tuple[str, bool]:

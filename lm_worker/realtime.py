@@ -5,8 +5,8 @@ embedding of its next position is in. The request stays resident (its KV blocks 
 it waits; other requests keep stepping.
 
 A session's reader lives as long as its Generate call. When the call ends (the request
-finished, the client cancelled, the proxy went away) the reader stops, the engine drops the
-session's rows and the stream's key is deleted.
+finished, the client cancelled, the proxy went away) the reader stops and the engine drops the
+session's rows; the stream itself is the proxy's to delete.
 """
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ class RealtimeFeeder:
             self._read(session_id, on_error), name=f"realtime-{session_id}"
         )
 
-    async def stop(self, session_id: str, delete: bool = True) -> None:
-        """End the session here: its reader, its rows in the engine, its stream's key."""
+    def stop(self, session_id: str) -> None:
+        """End the session here: its reader and its rows in the engine. The stream's key
+        stays: the proxy owns the session and deletes it at the end (another LM worker may
+        take the session over from it meanwhile); its TTL covers a proxy that died."""
         self.sessions.discard(session_id)
         self.engine.metrics.realtime_sessions.set(len(self.sessions))
         task = self.readers.pop(session_id, None)
@@ -68,11 +70,6 @@ class RealtimeFeeder:
             # runs in order, so the drop below comes after its last rows).
             task.cancel()
         self.engine.end_realtime(session_id)
-        if delete:
-            try:
-                await self.streams.delete(session_id)
-            except StreamError as e:
-                logger.warning("session %s: its stream stays until its TTL: %s", session_id, e)
 
     async def _read(self, session_id: str, on_error: Callable[[str], None]) -> None:
         cursor = "0-0"

@@ -460,7 +460,7 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                 if not finished and live.in_engine:  # the client went away, or its deadline
                     engine.abort(req.request_id)
                 if session is not None:
-                    await self.feeder.stop(session)
+                    self.feeder.stop(session)
 
     def _fetched(self, request_id: str, started: float, fetch: asyncio.Future) -> None:
         """An overlapped fetch ended: note its wait, or fail the request in the engine (its
@@ -504,6 +504,7 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             kv_address=self.kv_address,
             realtime_sessions=self.feeder.open,
             realtime_rows=sum(s.count for s in list(self.engine.runner.realtime.values())),
+            realtime_waiting_steps=self.engine.realtime_waiting_steps,
             **load,
             **_fetches_by_tier(self.connector),
             **kv_counters(self.engine.kv),

@@ -432,6 +432,19 @@ class Dashboard:
             "latency_window_seconds": proxy.metrics.ttft_window.window,
             "ttft": _rounded(proxy.metrics.ttft_window.percentiles(now)),
             "itl": _rounded(proxy.metrics.itl_window.percentiles(now)),
+            "realtime": self._realtime(proxy, now),
+        }
+
+    def _realtime(self, proxy: Proxy, now: float) -> dict[str, Any]:
+        """Realtime sessions: open, audio in, LM steps that waited for audio, per-chunk
+        latency (a chunk received -> the first delta covering it sent)."""
+        m = proxy.metrics
+        loads = [w.load for w in proxy.lms.workers.values() if w.load is not None]
+        return {
+            "sessions_open": len(proxy.realtime.sessions),
+            "audio_seconds": _r(proxy.realtime.audio_seconds),
+            "waiting_steps": int(sum(x.realtime_waiting_steps for x in loads)),
+            "chunk_latency": _rounded(m.chunk_window.percentiles(now)),
         }
 
     # -- HTTP ---------------------------------------------------------------------------------

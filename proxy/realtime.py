@@ -97,6 +97,7 @@ class RealtimeService:
         options.pop("local_tier_bytes")
         self.streams = SessionStreams(**options)
         self.sessions: dict[str, RealtimeSession] = {}
+        self.audio_seconds = 0.0  # audio received by every session so far
         try:
             self.sample_rate = self.family.realtime_sample_rate
             self.prompt = self.family.realtime_prompt()
@@ -229,6 +230,7 @@ class RealtimeSession:
         self.num_samples += samples.shape[0]
         self.pending_chunks.append((self.audio_seconds, time.monotonic()))
         self.service.metrics.realtime_audio_seconds.inc(seconds)
+        self.service.audio_seconds += seconds
         self.more.set()
 
     def commit(self) -> None:

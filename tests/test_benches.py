@@ -234,3 +234,28 @@ def test_bench_pd(tiny_checkpoint):
     # Every long prompt was handed over: its blocks went to the tier and were pulled.
     assert row["kv_bytes_sent"] > 0 and row["kv_blocks_pulled"] > 0
     assert all(v > 0 for v in summary["raw"].values())
+
+
+def test_bench_realtime():
+    summary = bench(
+        "realtime",
+        "--sessions",
+        "2",
+        "--seconds",
+        "1.2",
+        "--grpc-port",
+        str(free_port()),
+        "--http-port",
+        str(free_port()),
+    )
+    rows = {r["topology"]: r for r in summary["results"]}
+    assert set(rows) == {"e+pd", "aggregated"}
+    # The same greedy transcription of the same clip on both sides, every session.
+    tokens = {t for r in rows.values() for t in r["tokens_per_session"]}
+    assert len(tokens) == 1 and tokens.pop() > 0
+    for row in rows.values():
+        assert row["chunks_measured"] == 2 * 15  # every 80 ms chunk of every session
+        lat = row["chunk_latency_ms"]
+        assert 0 < lat["p50"] <= lat["p99"]
+        assert row["rtf"]["mean"] > 0.5  # paced at real time: about the audio's length
+    assert summary["e+pd_over_aggregated_p50"] > 0
