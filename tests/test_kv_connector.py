@@ -32,13 +32,25 @@ def shared_engine(checkpoint, redis_url: str, **lm):
 
 
 def generate(
-    engine, c, prompt_extra=(), max_tokens=None, handover=False, request_id=None, target=""
+    engine,
+    c,
+    prompt_extra=(),
+    max_tokens=None,
+    handover=False,
+    request_id=None,
+    target="",
+    sampling=None,
+    text_chars=0,
 ):
-    """Run one case (prompt + `prompt_extra` tokens) through `engine`, prefetching its KV from
-    the tier first, as the servicer does; waits for its saves. The Collected outputs."""
-    request = c.request(max_tokens=max_tokens or len(c.expected))
+    """Run one case (prompt + `prompt_extra` tokens, earlier output of which the client has
+    `text_chars` characters, as the proxy sends a decode stage) through `engine`, prefetching
+    its KV from the tier first, as the servicer does; waits for its saves. The Collected
+    outputs."""
+    request = c.request(**{**(sampling or {}), "max_tokens": max_tokens or len(c.expected)})
     request.request_id = request_id or c.request_id
     request.prompt_token_ids = list(c.token_ids) + list(prompt_extra)
+    request.resumed_output_tokens = len(prompt_extra)
+    request.resumed_text_chars = text_chars
     engine.kv.prefetch(request, handover=handover, target=target)
     sink = Collected()
     engine.add_request(request, sink, c.embeddings)
@@ -48,13 +60,19 @@ def generate(
     return sink
 
 
-def handover(prefill, decode, c, request_id=None):
+def handover(prefill, decode, c, request_id=None, sampling=None):
     """Prefill's first token, then decode's rest from prompt + that token: the full stream."""
     rid = request_id or c.request_id
-    first = generate(prefill, c, max_tokens=1, handover=True, request_id=rid)
+    first = generate(prefill, c, max_tokens=1, handover=True, request_id=rid, sampling=sampling)
     assert len(first.token_ids) == 1
     rest = generate(
-        decode, c, first.token_ids, max_tokens=len(c.expected) - 1, request_id=rid + "-d"
+        decode,
+        c,
+        first.token_ids,
+        max_tokens=len(c.expected) - 1,
+        request_id=rid + "-d",
+        sampling=sampling,
+        text_chars=len(first.text),
     )
     return first.token_ids + rest.token_ids, rest
 
@@ -92,6 +110,19 @@ def test_prefill_then_decode_equals_the_reference(tiny_checkpoint, redis_server,
     assert rest.last.num_cached_tokens == len(c.token_ids)
     samples = blocks(decode)
     assert samples.get("pulled") == -(-len(c.token_ids) // BLOCK)
+
+
+def test_a_seeded_sample_continues_across_the_handover(tiny_checkpoint, redis_server, cases):
+    # The decode stage draws token i from (seed, i), as one engine would have.
+    c = cases["image"]
+    sampling = {"temperature": 0.9, "top_k": 40, "seed": 5}
+    alone = make_engine(tiny_checkpoint, block_size=BLOCK)
+    whole = run(alone, (c.request(**sampling), c.embeddings))[c.request_id].token_ids
+    prefill = shared_engine(tiny_checkpoint, redis_server.url)
+    decode = shared_engine(tiny_checkpoint, redis_server.url)
+    tokens, _ = handover(prefill, decode, c, request_id="seeded", sampling=sampling)
+    assert tokens == whole
+    assert tokens != c.expected  # it did sample
 
 
 def test_chunked_prefill_hands_over_every_block(tiny_checkpoint, redis_server, cases):
