@@ -188,6 +188,14 @@ def test_four_concurrent_sessions_each_get_their_tokens_and_a_fifth_is_refused(c
         grpc_session(cluster, clips[4][0][: 2 * CHUNK], pace=0)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "realtime_max_sessions" in refused.value.details()
+
+    async def websocket_refused() -> dict:
+        async with connect(f"ws://127.0.0.1:{cluster.proxy_http}/v1/realtime") as ws:
+            return json.loads(await ws.recv())
+
+    error = asyncio.run(websocket_refused())
+    assert error["type"] == "error" and error["code"] == "resource_exhausted", error
+    assert "realtime_max_sessions" in error["error"]
     for t in threads:
         t.join(120)
     assert not errors, errors
