@@ -26,8 +26,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--steps", type=int, help="optimizer steps (default: the shipped model's)")
     train.add_argument("--batch-size", type=int, help="samples per step (default 32)")
     train.add_argument(
-        "--threads", type=int, default=1, help="torch threads (default 1: on a shared machine "
-        "one thread is several times faster than two)",
+        "--threads", type=int, default=1, help="torch threads (default 1: pictures are drawn on "
+        "a second thread meanwhile, so one is two cores' worth; on a shared machine one torch "
+        "thread is several times faster than two)",
     )  # fmt: skip
     train.add_argument(
         "--eval", type=int, default=HELD_OUT, metavar="N",

@@ -24,6 +24,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -59,10 +60,15 @@ ARCH = "qwen2_5_vl"
 # picture's side) of the shape's place.
 AUX_WEIGHT = 0.5
 AUX_REACH = 0.08
+# The same on the LM's last hidden state at each vision token, with the shape's place too: the
+# tower cannot know where a token is (its rotary positions are relative, its values carry no
+# position), the LM can (M-RoPE gives vision tokens their row and column).
+LM_AUX_WEIGHT = 0.5
 TRAIN_SEED_BASE = 1_000_000  # training samples; the held-out set is seeds 0 .. 499
 
-# The built-in model's sizes: ~2M parameters. Pictures are scaled to at most 24 merged tokens
-# (e.g. 112x168 pixels), so a question is ~40-80 tokens.
+# The built-in model's sizes: ~0.9M parameters. Pictures are scaled to 32-64 merged tokens
+# (e.g. 224x224 pixels; smaller ones are scaled up), so that a shape spans a few 14-pixel
+# patches; a question is ~60-150 tokens.
 DEMO_SHAPE = replace(
     SHAPES["tiny"],
     vocab_size=0,  # set from the trained tokenizer
@@ -73,15 +79,15 @@ DEMO_SHAPE = replace(
     num_kv_heads=2,
     mrope_section=(4, 6, 6),
     tie_word_embeddings=False,
-    vision_depth=2,
+    vision_depth=3,
     vision_hidden=64,
     vision_heads=2,
     vision_intermediate=128,
     window_size=112,
-    fullatt_block_indexes=(1,),
-    max_pixels=28 * 28 * 16,
-    video_max_pixels=28 * 28 * 8,
-    min_pixels=56 * 56,
+    fullatt_block_indexes=(2,),
+    max_pixels=28 * 28 * 64,
+    video_max_pixels=28 * 28 * 32,
+    min_pixels=28 * 28 * 32,
 )
 
 
@@ -93,6 +99,9 @@ class TrainSettings:
     warmup: int = 100
     weight_decay: float = 0.01
     seed: int = 0
+    aux_weight: float = AUX_WEIGHT  # the tower's auxiliary loss (colour and kind per token)
+    lm_aux_weight: float = LM_AUX_WEIGHT  # the LM's (colour, kind and place per vision token)
+    min_lr: float = 0.05  # the cosine schedule's floor, a fraction of lr
     shape: Shape = field(default=DEMO_SHAPE)
 
 
@@ -199,9 +208,9 @@ class Example:
     num_prompt: int  # the answer (then <|im_end|>) follows
     media: list[ProcessedMedia]
     spans: list[MediaSpan]
-    # Per media item, per vision token: the colour and kind (1-based; 0: background) of the
-    # shape whose place the token covers (the auxiliary loss's targets).
-    token_labels: list[torch.Tensor] = field(default_factory=list)  # each [tokens, 2]
+    # Per media item, per vision token: the colour, kind and place (1-based; 0: background)
+    # of the shape whose place the token covers (the auxiliary losses' targets).
+    token_labels: list[torch.Tensor] = field(default_factory=list)  # each [tokens, 3]
 
 
 class Encoder:
@@ -237,18 +246,19 @@ class Encoder:
 
 
 def token_labels(scene: scenes.Scene, grid_thw: tuple[int, int, int], merge: int) -> torch.Tensor:
-    """[tokens, 2]: (colour, kind) of the shape at each merged token, 0 for background. A
-    shape covers the tokens within AUX_REACH of its place (its jitter and some of its size)."""
+    """[tokens, 3]: (colour, kind, place) of the shape at each merged token, 0 for background.
+    A shape covers the tokens within AUX_REACH of its place (its jitter and some of its size)."""
     _, h, w = grid_thw
     rows, cols = h // merge, w // merge
-    labels = torch.zeros(rows, cols, 2, dtype=torch.long)
+    labels = torch.zeros(rows, cols, 3, dtype=torch.long)
     for shape in scene.shapes:
         fx, fy = scenes.PLACES[shape.place]
         r0, r1 = (max(0, min(rows - 1, int((fy + d) * rows))) for d in (-AUX_REACH, AUX_REACH))
         c0, c1 = (max(0, min(cols - 1, int((fx + d) * cols))) for d in (-AUX_REACH, AUX_REACH))
         labels[r0 : r1 + 1, c0 : c1 + 1, 0] = 1 + list(scenes.COLOURS).index(shape.colour)
         labels[r0 : r1 + 1, c0 : c1 + 1, 1] = 1 + scenes.KINDS.index(shape.kind)
-    return labels.view(-1, 2)
+        labels[r0 : r1 + 1, c0 : c1 + 1, 2] = 1 + list(scenes.PLACES).index(shape.place)
+    return labels.view(-1, 3)
 
 
 def forward_loss(
@@ -257,20 +267,26 @@ def forward_loss(
     batch: Sequence[Example],
     merge: int,
     aux_head: torch.nn.Module | None = None,
+    lm_aux_head: torch.nn.Module | None = None,
+    aux_weight: float = AUX_WEIGHT,
+    lm_aux_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy of the answers' tokens (plus, with `aux_head`, the auxiliary loss),
-    and how many answers were all right."""
+    """Mean cross-entropy of the answers' tokens (plus, with `aux_head` / `lm_aux_head`, the
+    auxiliary losses), and how many answers were all right."""
     media = [m for e in batch for m in e.media]
     embeds = tower(torch.cat([m.pixel_values for m in media]), [m.grid.grid_thw for m in media])
     aux = torch.zeros(())
-    if aux_head is not None:
+    token_labels = [t for e in batch for t in e.token_labels]
+    labels = torch.cat(token_labels) if token_labels else None
+    if aux_head is not None and labels is not None:
         # The vision tokens alone say what shape of what colour each covers: a direct signal
         # for the tower from the first step, while the LM still answers from priors.
-        labels = torch.cat([t for e in batch for t in e.token_labels])
         colour, kind = aux_head(torch.cat(embeds)).split(
             [len(scenes.COLOURS) + 1, len(scenes.KINDS) + 1], -1
         )
-        aux = F.cross_entropy(colour, labels[:, 0]) + F.cross_entropy(kind, labels[:, 1])
+        aux = aux_weight * (
+            F.cross_entropy(colour, labels[:, 0]) + F.cross_entropy(kind, labels[:, 1])
+        )
     ids = torch.tensor([t for e in batch for t in e.token_ids])
     is_mm = torch.zeros(len(ids), dtype=torch.bool)
     positions, targets, rows, owners = [], [], [], []
@@ -289,9 +305,20 @@ def forward_loss(
     x = lm.embed_input_ids(ids, embeds, is_mm)
     metadata = PackedMetadata(tuple(len(e.token_ids) for e in batch))
     hidden = lm(None, torch.cat(positions, dim=1), inputs_embeds=x, attn_metadata=metadata)
+    if lm_aux_head is not None and labels is not None:
+        # The LM's last hidden state at each vision token says what is there and where: the
+        # place is known only to the LM (M-RoPE positions), not to the tower.
+        colour, kind, place = lm_aux_head(hidden[is_mm]).split(
+            [len(scenes.COLOURS) + 1, len(scenes.KINDS) + 1, len(scenes.PLACES) + 1], -1
+        )
+        aux = aux + lm_aux_weight * (
+            F.cross_entropy(colour, labels[:, 0])
+            + F.cross_entropy(kind, labels[:, 1])
+            + F.cross_entropy(place, labels[:, 2])
+        )
     logits = lm.compute_logits(hidden[torch.tensor(rows)]).float()
     target = torch.tensor(targets)
-    loss = F.cross_entropy(logits, target) + AUX_WEIGHT * aux
+    loss = F.cross_entropy(logits, target) + aux
     wrong = torch.zeros(len(batch)).index_add_(
         0, torch.tensor(owners), (logits.argmax(-1) != target).float()
     )
@@ -315,9 +342,13 @@ def train(
     tower = VisionTower(arch.vision)
     lm = Qwen2LanguageModel(arch.text, PackedCausalAttention())
     aux_head = torch.nn.Linear(arch.text.hidden_size, len(scenes.COLOURS) + len(scenes.KINDS) + 2)
+    lm_aux_head = torch.nn.Linear(
+        arch.text.hidden_size, len(scenes.COLOURS) + len(scenes.KINDS) + len(scenes.PLACES) + 3
+    )
     _init(tower)
     _init(lm)
-    params = [p for m in (tower, lm, aux_head) for p in m.parameters()]
+    heads = [aux_head] + ([lm_aux_head] if settings.lm_aux_weight else [])
+    params = [p for m in (tower, lm, *heads) for p in m.parameters()]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -333,7 +364,7 @@ def train(
         if step < settings.warmup:
             return (step + 1) / settings.warmup
         t = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t))
+        return settings.min_lr + (1 - settings.min_lr) * 0.5 * (1 + math.cos(math.pi * t))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
     encoder = Encoder(out)
@@ -347,19 +378,32 @@ def train(
             encoder.example(scenes.sample(s)) for s in range(first, first + settings.batch_size)
         ]
 
-    for step in range(settings.steps):
-        batch = batch_of(step)
-        loss, right = _step(tower, lm, aux_head, optimizer, schedule, params, batch, merge)
-        if progress:
-            progress(step + 1, settings.steps, loss, right / len(batch))
-        if save_every and (step + 1) % save_every == 0:
-            save_weights(out, tower, lm)
+    # The next batch is drawn (Pillow, the processor) on a thread while this one trains: both
+    # release the GIL for most of their work. Batches depend only on their step number.
+    with ThreadPoolExecutor(1) as pool:
+        upcoming = pool.submit(batch_of, 0)
+        for step in range(settings.steps):
+            batch = upcoming.result()
+            if step + 1 < settings.steps:
+                upcoming = pool.submit(batch_of, step + 1)
+            loss, right = _step(
+                tower, lm, heads, settings, optimizer, schedule, params, batch, merge
+            )
+            if progress:
+                progress(step + 1, settings.steps, loss, right / len(batch))
+            if save_every and (step + 1) % save_every == 0:
+                save_weights(out, tower, lm)
     save_weights(out, tower, lm)
     return out
 
 
-def _step(tower, lm, aux_head, optimizer, schedule, params, batch, merge) -> tuple[float, int]:
-    loss, right = forward_loss(tower, lm, batch, merge, aux_head)
+def _step(
+    tower, lm, heads, settings, optimizer, schedule, params, batch, merge
+) -> tuple[float, int]:
+    lm_aux_head = heads[1] if len(heads) > 1 else None
+    loss, right = forward_loss(
+        tower, lm, batch, merge, heads[0], lm_aux_head, settings.aux_weight, settings.lm_aux_weight
+    )
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
