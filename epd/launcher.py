@@ -139,12 +139,7 @@ class LocalCluster:
         started = time.monotonic()
         self._check_ports_free()
         if self.config.model.path is None:
-            # Written once here (on first use), not by every role racing for it.
-            print(
-                "preparing the built-in model (written once, on first use)...",
-                file=sys.stderr,
-                flush=True,
-            )
+            # Resolved once here (the shipped checkpoint), so every role gets the same path.
             path = resolve_model(self.config).path
             model = dataclasses.replace(
                 self.config.model, path=str(path), name=self.config.model.served_name
