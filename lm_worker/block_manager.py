@@ -110,9 +110,14 @@ class BlockManager:
         """Hash the request's newly full blocks (after a step computed their KV)."""
         if not self.enable_prefix_caching:
             return
+        # Blocks are allocated ahead of their KV, and the request's hash chain may already
+        # reach past its computed tokens (`cached_prefix` hashes the whole prompt): only the
+        # blocks whose every token is computed are offered for reuse. A block that a chunk
+        # (or a request waiting for an embedding) has half filled is not.
+        num_full = request.num_computed_tokens // self.block_size
         hashes = extend_block_hashes(request, request.num_computed_tokens, self.block_size)
+        hashes = hashes[:num_full]
         done = request.num_committed_blocks
-        # Blocks are allocated ahead of their KV: only the hashed (full, computed) ones count.
         for block_id, h in zip(request.block_ids[done:], hashes[done:], strict=False):
             block = self.blocks[block_id]
             if block.hash is None and h not in self.cached:

@@ -124,3 +124,22 @@ def test_the_preemption_victim_is_not_the_request_being_scheduled():
     assert second.preempted == [a]
     assert second.requests == [b]
     assert list(scheduler.waiting) == [a]
+
+
+def test_a_half_computed_block_is_never_offered_for_reuse():
+    # A prefill chunk that ends inside a block (a token budget, or a request waiting for an
+    # embedding) leaves that block half computed; another request with the same prompt must
+    # not take it from the prefix cache, even after the first one is aborted.
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    scheduler = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=6)
+    prompt = list(range(1, 14))  # 13 tokens: three full blocks and one more token
+    first = Request("first", list(prompt), SamplingParams(temperature=0.0))
+    scheduler.add(first)
+    batch = scheduler.schedule()
+    assert batch.num_scheduled_tokens == [6]  # blocks 0 (full) and 1 (half) hold its KV
+    first.num_computed_tokens += 6
+    blocks.commit_full_blocks(first)
+    assert first.num_committed_blocks == 1
+    scheduler.finish(first, "abort")
+    again = Request("again", list(prompt), SamplingParams(temperature=0.0))
+    assert len(blocks.cached_prefix(again)) == 1  # only the full one
