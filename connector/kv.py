@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import struct
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,7 +45,7 @@ import torch
 import xxhash
 
 from connector.client import Mode, redact_url, sync_client
-from connector.wire import CODE_DTYPES, DTYPE_CODES, MAX_NDIM, WireError
+from connector.wire import DTYPE_CODES, WireError, checked_view, payload_of
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +53,7 @@ MAGIC = b"EPDK"
 VERSION = 1
 HEADER_BYTES = 128
 HASH_BYTES = 16
-_FIXED = struct.Struct("<4sBBBBHHIQQ16s")
-_SHAPE = struct.Struct(f"<{MAX_NDIM}I")
+_FIXED = struct.Struct("<4sBBBBHHIQQ16s")  # then the shape: wire.payload_of's packing
 
 
 @dataclass(frozen=True)
@@ -76,28 +74,21 @@ def encode_block(
     """Header + payload of one block's KV (a CPU tensor whose first dimension is the layers)."""
     if len(block_hash) != HASH_BYTES:
         raise ValueError(f"a block hash is {HASH_BYTES} bytes, got {len(block_hash)}")
-    if tensor.dtype not in DTYPE_CODES:
-        raise TypeError(f"cannot store KV of dtype {tensor.dtype}")
-    if not 1 <= tensor.dim() <= MAX_NDIM:
-        raise ValueError(f"cannot store a {tensor.dim()}-d block (1..{MAX_NDIM} dimensions)")
-    payload = memoryview(tensor.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
-    header = (
-        _FIXED.pack(
-            MAGIC,
-            VERSION,
-            DTYPE_CODES[tensor.dtype],
-            tensor.dim(),
-            0,
-            first_layer,
-            tensor.shape[0],
-            num_tokens,
-            payload.nbytes,
-            xxhash.xxh3_64_intdigest(payload),
-            block_hash,
-        )
-        + _SHAPE.pack(*(list(tensor.shape) + [0] * (MAX_NDIM - tensor.dim())))
-    ).ljust(HEADER_BYTES, b"\0")
-    return b"".join((header, payload))
+    payload, shape = payload_of(tensor)
+    fixed = _FIXED.pack(
+        MAGIC,
+        VERSION,
+        DTYPE_CODES[tensor.dtype],
+        tensor.dim(),
+        0,
+        first_layer,
+        tensor.shape[0],
+        num_tokens,
+        payload.nbytes,
+        xxhash.xxh3_64_intdigest(payload),
+        block_hash,
+    )
+    return b"".join(((fixed + shape).ljust(HEADER_BYTES, b"\0"), payload))
 
 
 def decode_block(value: bytes) -> KVBlock:
@@ -112,23 +103,10 @@ def decode_block(value: bytes) -> KVBlock:
         raise WireError(f"bad magic {magic!r}")
     if version != VERSION:
         raise WireError(f"KV format version {version}, this build reads {VERSION}")
-    if code not in CODE_DTYPES or not 1 <= ndim <= MAX_NDIM:
-        raise WireError(f"bad dtype code {code} or ndim {ndim}")
-    shape = _SHAPE.unpack_from(value, _FIXED.size)[:ndim]
-    dtype = CODE_DTYPES[code]
-    expected = dtype.itemsize
-    for dim in shape:
-        expected *= dim
-    if nbytes != expected or len(value) != HEADER_BYTES + nbytes or shape[0] != layers:
-        raise WireError(f"length mismatch: {nbytes} payload bytes for shape {tuple(shape)}")
-    if xxhash.xxh3_64_intdigest(memoryview(value)[HEADER_BYTES:]) != checksum:
-        raise WireError("checksum mismatch")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # immutable bytes: a read-only view
-        flat = torch.frombuffer(
-            value, dtype=dtype, offset=HEADER_BYTES, count=nbytes // dtype.itemsize
-        )
-    return KVBlock(block_hash, first, layers, tokens, flat.view(shape))
+    tensor = checked_view(value, HEADER_BYTES, _FIXED.size, code, ndim, nbytes, checksum)
+    if tensor.shape[0] != layers:
+        raise WireError(f"length mismatch: shape {tuple(tensor.shape)} for {layers} layers")
+    return KVBlock(block_hash, first, layers, tokens, tensor)
 
 
 def peek_hash(value: bytes) -> bytes:

@@ -48,27 +48,67 @@ class WireError(ValueError):
     """A value that is not a valid entry (bad magic, version, dtype, length or checksum)."""
 
 
-def encode(tensor: torch.Tensor) -> bytes:
-    """Header + payload of a CPU tensor, as one bytes object (one copy of the payload)."""
+def payload_of(tensor: torch.Tensor) -> tuple[memoryview, bytes]:
+    """A tensor's bytes (C order) and its packed shape (MAX_NDIM uint32s, unused ones 0): what
+    both value formats (this one and connector/kv.py's) carry after their header."""
     if tensor.dtype not in DTYPE_CODES:
         raise TypeError(f"cannot store dtype {tensor.dtype}; supported: float32, float16, bfloat16")
     if not 1 <= tensor.dim() <= MAX_NDIM:
         raise ValueError(f"cannot store a {tensor.dim()}-d tensor (1..{MAX_NDIM} dimensions)")
     payload = memoryview(tensor.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
-    shape = list(tensor.shape) + [0] * (MAX_NDIM - tensor.dim())
-    header = (
-        _FIXED.pack(
-            MAGIC,
-            VERSION,
-            DTYPE_CODES[tensor.dtype],
-            tensor.dim(),
-            0,
-            payload.nbytes,
-            xxhash.xxh3_64_intdigest(payload),
+    return payload, _SHAPE.pack(*tensor.shape, *[0] * (MAX_NDIM - tensor.dim()))
+
+
+def checked_view(
+    value: bytes,
+    header_bytes: int,
+    shape_at: int,
+    code: int,
+    ndim: int,
+    nbytes: int,
+    checksum: int,
+) -> torch.Tensor:
+    """The payload after a `header_bytes` header (its shape packed at `shape_at`) as a tensor
+    viewing `value` (read-only by contract: never write into it), once the header's dtype
+    code, ndim, length and checksum are checked against it; WireError otherwise."""
+    if code not in CODE_DTYPES:
+        raise WireError(f"unknown dtype code {code}")
+    if not 1 <= ndim <= MAX_NDIM:
+        raise WireError(f"bad ndim {ndim}")
+    shape = _SHAPE.unpack_from(value, shape_at)[:ndim]
+    dtype = CODE_DTYPES[code]
+    expected = dtype.itemsize
+    for dim in shape:
+        expected *= dim
+    if nbytes != expected or len(value) != header_bytes + nbytes:
+        raise WireError(
+            f"length mismatch: header says {nbytes} payload bytes for shape {tuple(shape)} "
+            f"{dtype}, value holds {len(value) - header_bytes}"
         )
-        + _SHAPE.pack(*shape)
-    ).ljust(HEADER_BYTES, b"\0")
-    return b"".join((header, payload))
+    if xxhash.xxh3_64_intdigest(memoryview(value)[header_bytes:]) != checksum:
+        raise WireError("checksum mismatch")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    # The module's warning filter silences torch's "not writable" warning (given once per
+    # process): a catch_warnings per call resets the interpreter's warning state and cost
+    # more than the checksum.
+    flat = torch.frombuffer(value, dtype=dtype, offset=header_bytes, count=nbytes // dtype.itemsize)
+    return flat.view(shape)
+
+
+def encode(tensor: torch.Tensor) -> bytes:
+    """Header + payload of a CPU tensor, as one bytes object (one copy of the payload)."""
+    payload, shape = payload_of(tensor)
+    fixed = _FIXED.pack(
+        MAGIC,
+        VERSION,
+        DTYPE_CODES[tensor.dtype],
+        tensor.dim(),
+        0,
+        payload.nbytes,
+        xxhash.xxh3_64_intdigest(payload),
+    )
+    return b"".join(((fixed + shape).ljust(HEADER_BYTES, b"\0"), payload))
 
 
 def decode(value: bytes) -> torch.Tensor:
@@ -82,27 +122,4 @@ def decode(value: bytes) -> torch.Tensor:
         raise WireError(f"bad magic {magic!r}")
     if version != VERSION:
         raise WireError(f"format version {version}, this build reads {VERSION}")
-    if code not in CODE_DTYPES:
-        raise WireError(f"unknown dtype code {code}")
-    if not 1 <= ndim <= MAX_NDIM:
-        raise WireError(f"bad ndim {ndim}")
-    shape = _SHAPE.unpack_from(value, _FIXED.size)[:ndim]
-    dtype = CODE_DTYPES[code]
-    expected = dtype.itemsize
-    for dim in shape:
-        expected *= dim
-    if nbytes != expected or len(value) != HEADER_BYTES + nbytes:
-        raise WireError(
-            f"length mismatch: header says {nbytes} payload bytes for shape {tuple(shape)} "
-            f"{dtype}, value holds {len(value) - HEADER_BYTES}"
-        )
-    payload = memoryview(value)[HEADER_BYTES:]
-    if xxhash.xxh3_64_intdigest(payload) != checksum:
-        raise WireError("checksum mismatch")
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    # The module's warning filter silences torch's "not writable" warning (given once per
-    # process): a catch_warnings per call resets the interpreter's warning state and cost
-    # more than the checksum.
-    flat = torch.frombuffer(value, dtype=dtype, offset=HEADER_BYTES, count=nbytes // dtype.itemsize)
-    return flat.view(shape)
+    return checked_view(value, HEADER_BYTES, _FIXED.size, code, ndim, nbytes, checksum)
