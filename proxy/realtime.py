@@ -346,13 +346,23 @@ class RealtimeSession:
                         return
                 return  # ended without `done`: the session is closing
             except grpc.aio.AioRpcError as e:
-                if e.code() not in WORKER_FAILURES:
-                    self.fail(SessionError(e.code(), f"encoder: {e.details()}"))
+                last = self._worker_failed(e, pool, worker, tried, "encoder")
+                if last is None:
                     return
-                last = SessionError(e.code(), f"encoder {worker.address}: {e.details()}")
-                if e.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:  # full is not broken
-                    pool.failed(worker, e.details() or e.code().name)
-                tried.add(worker.address)
+
+    def _worker_failed(
+        self, e: grpc.aio.AioRpcError, pool: WorkerPool, worker: Worker, tried: set[str], what: str
+    ) -> SessionError | None:
+        """A worker's stream failed. Not the worker's fault: the session fails with it (None).
+        Else the worker is set aside (and marked failed, unless it was only full) and the error
+        is returned, to report if no other worker takes over."""
+        if e.code() not in WORKER_FAILURES:
+            self.fail(SessionError(e.code(), f"{what}: {e.details()}"))
+            return None
+        if e.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:  # full is not broken
+            pool.failed(worker, e.details() or e.code().name)
+        tried.add(worker.address)
+        return SessionError(e.code(), f"{what} {worker.address}: {e.details()}")
 
     # -- the LM side --------------------------------------------------------------------------
 
@@ -416,13 +426,9 @@ class RealtimeSession:
                 self.fail(SessionError(grpc.StatusCode.INTERNAL, "the LM stream ended early"))
                 return
             except grpc.aio.AioRpcError as e:
-                if e.code() not in WORKER_FAILURES:
-                    self.fail(SessionError(e.code(), f"LM worker: {e.details()}"))
+                last = self._worker_failed(e, pool, worker, tried, "LM worker")
+                if last is None:
                     return
-                last = SessionError(e.code(), f"LM worker {worker.address}: {e.details()}")
-                if e.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:  # full is not broken
-                    pool.failed(worker, e.details() or e.code().name)
-                tried.add(worker.address)
 
 
 async def _pick(pool: WorkerPool, tried: set[str], what: str, wait: float = 5.0) -> Worker | None:
