@@ -377,6 +377,9 @@ class RealtimeSession:
         msg.mm_features.add(
             mm_hash=self.id, modality=epd_pb2.MODALITY_AUDIO, offset=0, length=self.positions
         )
+        if self.sent:  # a failover: the new worker continues the draws and the held-back text
+            msg.resumed_output_tokens = len(self.sent)
+            msg.resumed_text_chars = sum(len(t) for t in self.text)
         if s.HasField("max_tokens"):
             msg.sampling.max_tokens = max(1, s.max_tokens - len(self.sent))
         return msg

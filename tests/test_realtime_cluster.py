@@ -445,9 +445,17 @@ def test_lm_worker_killed_mid_session_another_continues_without_repeating(two_lm
                 killed.append(name)
                 return
 
+    wav, _ = pcm16_wav(2.4, 1)  # clips[1]'s audio
+    request = epd_pb2.GenerateRequest(
+        media=[epd_pb2.MediaItem(audio=epd_pb2.AudioClip(data=wav))],
+        sampling=epd_pb2.SamplingParams(temperature=0.0),
+    )
+    whole_text = "".join(r.text for r in two_lms.stub.Generate(request, timeout=60))
     responses, _ = grpc_session(two_lms, pcm, on_chunk=kill_the_sessions_lm)
     assert len(killed) == 1
     # Every token once, in order: the new worker re-prefilled the prompt and the tokens sent
-    # from the session's stream and went on.
+    # from the session's stream and went on; and the text too (what the first worker held
+    # back at the cut is released by the second, once).
     assert [t for _, r in responses for t in r.token_ids] == expected
+    assert "".join(r.text for _, r in responses) == whole_text
     assert two_lms.metric("epd_realtime_failovers_total", role="lm") == 1
