@@ -1,0 +1,78 @@
+"""Child processes started while this process has gRPC calls in flight (as the launcher, the
+benches and the test clusters do) must all start. A `preexec_fn` made most of them die between
+fork and exec; this reproduces that load."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common.process import Child
+
+
+async def _spawn_while_busy(count: int) -> list[int]:
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = health_pb2_grpc.HealthStub(channel)
+    busy = True
+
+    async def ping() -> None:
+        while busy:
+            await stub.Check(health_pb2.HealthCheckRequest())
+
+    pingers = [asyncio.create_task(ping()) for _ in range(4)]
+    try:
+        codes = []
+        for i in range(count):
+            child = await asyncio.to_thread(Child, f"true-{i}", ["true"])
+            codes.append(await asyncio.to_thread(child.proc.wait))
+        return codes
+    finally:
+        busy = False
+        await asyncio.gather(*pingers)
+        await channel.close()
+        await server.stop(None)
+
+
+def test_children_start_while_grpc_is_busy():
+    codes = asyncio.run(_spawn_while_busy(40))
+    assert codes == [0] * 40, f"exit codes: {codes}"
+
+
+def test_a_child_goes_when_its_parent_is_killed():
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from common.process import Child; "
+            "print(Child('sleeper', ['sleep', '60']).pid, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        # Reaped by init once it exits; a zombie still answers kill(0).
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(") ")[1].startswith("Z"):
+                return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError("the child outlived its killed parent")
