@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 import json
+import queue
 import threading
 import time
 
@@ -20,6 +21,7 @@ import redis
 import soundfile
 from websockets.asyncio.client import connect
 
+from models.registry import load_family
 from models.testing import make_checkpoint
 from proto import epd_pb2, epd_pb2_grpc
 from tests.cluster_helpers import Cluster
@@ -414,16 +416,137 @@ def test_metrics_and_dashboard_show_the_sessions(cluster):
     assert rt["chunk_latency"]["count"] > 0 and rt["chunk_latency"]["p50"] > 0
 
 
-# -- an LM worker killed mid-session (a cluster of its own: two LM workers) ----------------------
+# -- per-worker limits, then an LM worker killed mid-session (a cluster of its own: one encoder
+# that takes one stream, two LM workers that take one session each) -----------------------------
 
 
 @pytest.fixture(scope="module")
 def two_lms(tmp_path_factory, checkpoint):
     c = Cluster(
-        tmp_path_factory.mktemp("two-lms"), checkpoint, encoders=1, lms=2, lm={"block_size": 8}
+        tmp_path_factory.mktemp("two-lms"),
+        checkpoint,
+        encoders=1,
+        lms=2,
+        lm={"block_size": 8, "max_realtime_sessions": 1},
+        encoder={"max_streams": 1},
     )
     yield c
     c.stop()
+
+
+class HeldCall:
+    """A stream-in call held open: its requests come from a queue until `close`."""
+
+    def __init__(self, method, first):
+        self.requests: queue.Queue = queue.Queue()
+        self.requests.put(first)
+        self.call = method(iter(self.requests.get, None), timeout=60)
+
+    def send(self, msg) -> None:
+        self.requests.put(msg)
+
+    def close(self) -> list:
+        self.requests.put(None)
+        return list(self.call)
+
+
+def lm_load(address: str) -> epd_pb2.GetLoadResponse:
+    with grpc.insecure_channel(address) as channel:
+        return epd_pb2_grpc.LanguageModelStub(channel).GetLoad(epd_pb2.GetLoadRequest(), timeout=5)
+
+
+def wait_lm_sessions(address: str, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while lm_load(address).realtime_sessions != count:
+        assert time.monotonic() < deadline, f"{address}: never {count} realtime sessions"
+        time.sleep(0.05)
+
+
+def test_an_encoder_takes_at_most_its_max_streams(two_lms, clips):
+    encoder = next(r.address for r in two_lms.roles.values() if r.kind == "encoder")
+    channel = grpc.insecure_channel(encoder)
+    stub = epd_pb2_grpc.EncoderStub(channel)
+
+    def start(session_id: str) -> epd_pb2.EncodeStreamRequest:
+        return epd_pb2.EncodeStreamRequest(
+            start=epd_pb2.EncodeStreamStart(
+                session_id=session_id, format=epd_pb2.AUDIO_FORMAT_PCM_S16LE, sample_rate=RATE
+            )
+        )
+
+    audio = epd_pb2.EncodeStreamRequest(audio=b"\0\0" * CHUNK)
+    held = HeldCall(stub.EncodeStream, start("held-1"))
+    held.send(audio)
+    assert next(held.call).num_published >= 0  # the stream is open on the encoder
+    with pytest.raises(grpc.RpcError) as full:
+        list(stub.EncodeStream(iter([start("held-2"), audio]), timeout=10))
+    assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "encoder.max_streams" in full.value.details()
+    # A session through the proxy finds no other encoder: it fails, as full, not broken.
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_session(two_lms, clips[4][0], pace=0)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "encoder.max_streams" in refused.value.details()
+
+    held.send(epd_pb2.EncodeStreamRequest(input_done=epd_pb2.RealtimeInputDone()))
+    assert held.close()[-1].done
+    channel.close()
+    redis.Redis.from_url(two_lms.redis.url).delete("epd:rt:{held-1}")
+    # The slot is free again, and the encoder was not set aside: the next session runs.
+    pcm, expected = clips[4]
+    responses, _ = grpc_session(two_lms, pcm, pace=0)
+    assert [t for _, r in responses for t in r.token_ids] == expected
+    assert_nothing_left(two_lms)
+
+
+def test_an_lm_worker_takes_at_most_its_max_realtime_sessions(two_lms, clips, checkpoint):
+    prompt = load_family(checkpoint).realtime_prompt()
+    lm0, lm1 = two_lms.lm_addresses
+
+    def held_session(address: str, session_id: str):
+        """A realtime request straight to an LM worker: it waits there for audio."""
+        msg = epd_pb2.LMGenerateRequest(
+            request_id=session_id,
+            prompt_token_ids=prompt,
+            sampling=epd_pb2.SamplingParams(temperature=0.0),
+            realtime_session_id=session_id,
+        )
+        msg.mm_features.add(
+            mm_hash=session_id, modality=epd_pb2.MODALITY_AUDIO, offset=0, length=len(prompt)
+        )
+        channel = grpc.insecure_channel(address)
+        return channel, epd_pb2_grpc.LanguageModelStub(channel).Generate(msg, timeout=60)
+
+    held = [held_session(lm0, "held-lm-1")]
+    wait_lm_sessions(lm0, 1)
+    channel, refused = held_session(lm0, "held-lm-2")
+    with pytest.raises(grpc.RpcError) as full:
+        list(refused)
+    channel.close()
+    assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "lm.max_realtime_sessions" in full.value.details()
+
+    # One LM worker full: a session through the proxy runs on the other, whole.
+    pcm, expected = clips[2]
+    responses, _ = grpc_session(two_lms, pcm, pace=0)
+    assert [t for _, r in responses for t in r.token_ids] == expected
+
+    # Both full: the session fails as full (RESOURCE_EXHAUSTED), and leaves nothing.
+    held.append(held_session(lm1, "held-lm-3"))
+    wait_lm_sessions(lm1, 1)
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_session(two_lms, pcm, pace=0)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "lm.max_realtime_sessions" in refused.value.details()
+
+    for channel, call in held:
+        call.cancel()
+        channel.close()
+    wait_lm_sessions(lm0, 0)
+    wait_lm_sessions(lm1, 0)
+    responses, _ = grpc_session(two_lms, pcm, pace=0)
+    assert [t for _, r in responses for t in r.token_ids] == expected
+    assert_nothing_left(two_lms)
 
 
 def test_lm_worker_killed_mid_session_another_continues_without_repeating(two_lms, clips):
@@ -451,6 +574,8 @@ def test_lm_worker_killed_mid_session_another_continues_without_repeating(two_lm
         sampling=epd_pb2.SamplingParams(temperature=0.0),
     )
     whole_text = "".join(r.text for r in two_lms.stub.Generate(request, timeout=60))
+    # (earlier tests here moved sessions off full workers: those count too)
+    failovers = two_lms.metric("epd_realtime_failovers_total", role="lm")
     responses, _ = grpc_session(two_lms, pcm, on_chunk=kill_the_sessions_lm)
     assert len(killed) == 1
     # Every token once, in order: the new worker re-prefilled the prompt and the tokens sent
@@ -458,4 +583,4 @@ def test_lm_worker_killed_mid_session_another_continues_without_repeating(two_lm
     # back at the cut is released by the second, once).
     assert [t for _, r in responses for t in r.token_ids] == expected
     assert "".join(r.text for _, r in responses) == whole_text
-    assert two_lms.metric("epd_realtime_failovers_total", role="lm") == 1
+    assert two_lms.metric("epd_realtime_failovers_total", role="lm") == failovers + 1
