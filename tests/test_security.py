@@ -9,6 +9,7 @@ certificates made here by a test CA.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -27,6 +28,8 @@ import pytest
 import redis
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
 
 from common.config import ClusterConfig, ConfigError, ConnectorConfig, dump_config, load_config
 from common.health import health_status
@@ -650,3 +653,23 @@ def test_epd_up_keeps_secrets_out_of_argv_and_files(tmp_path, tiny_checkpoint):
     finally:
         cluster.proc.send_signal(2)
         cluster.proc.wait(60)
+
+
+async def _realtime_first_event(secure, key: str | None) -> dict:
+    context = ssl.create_default_context(cafile=str(secure.ca.pem.cert))
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    url = f"wss://localhost:{secure.http_port}/v1/realtime"
+    async with connect(url, ssl=context, additional_headers=headers) as ws:
+        return json.loads(await ws.recv())
+
+
+def test_realtime_websocket_needs_a_key(secure):
+    for key, words in ((None, "API key is required"), ("not-a-key", "not valid")):
+        with pytest.raises(InvalidStatus) as refused:
+            asyncio.run(_realtime_first_event(secure, key))
+        assert refused.value.response.status_code == 401
+        assert words in refused.value.response.body.decode()
+    # With a key the socket opens (this image model then refuses realtime audio itself).
+    event = asyncio.run(_realtime_first_event(secure, KEY_B))
+    assert event["type"] == "error" and event["code"] == "failed_precondition", event
+    assert "does not take realtime audio" in event["error"]
