@@ -132,6 +132,26 @@ def load_tensors(
     return out
 
 
+def assign_lm_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], tied: bool) -> None:
+    """Take a language model's checkpoint tensors (local names) as its parameters, whole: a
+    tied head is the embedding matrix (a saved copy is dropped); anything missing or left over
+    is a CheckpointError. The model has `embed_tokens` and `lm_head`."""
+    tensors = dict(tensors)
+    if tied:
+        tensors.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in tensors:
+        raise CheckpointError("untied checkpoint without lm_head.weight")
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    if tied:
+        missing = [m for m in missing if m != "lm_head.weight"]
+        model.lm_head.weight = model.embed_tokens.weight
+    if missing or unexpected:
+        raise CheckpointError(
+            f"LM tensors do not match the config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+
+
 def weights_fingerprint(
     checkpoint_dir: str | Path, select: Selector, settings: dict[str, Any]
 ) -> str:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from models.attention import AttentionBackend
-from models.checkpoint import CheckpointError, load_tensors, strip_prefixes
+from models.checkpoint import assign_lm_weights, load_tensors, strip_prefixes
 from models.layers import GatedMLP, RMSNorm, apply_rotary
 from models.qwen2_vl.config import TextConfig
 from models.qwen2_vl.rope import MRotaryEmbedding
@@ -107,22 +107,7 @@ class Qwen2LanguageModel(nn.Module):
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the checkpoint's LM tensors (local names) as this model's parameters."""
-        tensors = dict(tensors)
-        tied = self.config.tie_word_embeddings
-        if tied:
-            # The head is the embedding matrix; a saved copy is redundant.
-            tensors.pop("lm_head.weight", None)
-        elif "lm_head.weight" not in tensors:
-            raise CheckpointError("untied checkpoint without lm_head.weight")
-        missing, unexpected = self.load_state_dict(tensors, strict=False, assign=True)
-        if tied:
-            missing = [m for m in missing if m != "lm_head.weight"]
-            self.lm_head.weight = self.embed_tokens.weight
-        if missing or unexpected:
-            raise CheckpointError(
-                f"LM tensors do not match the config: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
-            )
+        assign_lm_weights(self, tensors, self.config.tie_word_embeddings)
 
     def embed_input_ids(
         self,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import AttentionBackend
-from models.checkpoint import CheckpointError, load_tensors, strip_prefixes
+from models.checkpoint import assign_lm_weights, load_tensors, strip_prefixes
 from models.layers import GatedMLP, RMSNorm, apply_rotary, inverse_frequencies
 from models.voxtral_realtime.config import TextConfig
 
@@ -128,21 +128,8 @@ class VoxtralLanguageModel(nn.Module):
         return model.to(device).eval()
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        tensors = dict(tensors)
-        tied = self.config.tie_word_embeddings
-        if tied:
-            tensors.pop("lm_head.weight", None)
-        elif "lm_head.weight" not in tensors:
-            raise CheckpointError("untied checkpoint without lm_head.weight")
-        missing, unexpected = self.load_state_dict(tensors, strict=False, assign=True)
-        if tied:
-            missing = [m for m in missing if m != "lm_head.weight"]
-            self.lm_head.weight = self.embed_tokens.weight
-        if missing or unexpected:
-            raise CheckpointError(
-                f"LM tensors do not match the config: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
-            )
+        """Take the checkpoint's LM tensors (local names) as this model's parameters."""
+        assign_lm_weights(self, tensors, self.config.tie_word_embeddings)
 
     @torch.no_grad()
     def set_delay(self, num_delay_tokens: int) -> None:
