@@ -18,6 +18,7 @@ position scheme, the multimodal-pruning hook, what graph capture feeds the model
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,11 @@ class TextDims:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int
+
+    @classmethod
+    def of(cls, config: Any) -> TextDims:
+        """The sizes of a family's text config (which has fields of these names)."""
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
 
 class MediaProcessor(Protocol):

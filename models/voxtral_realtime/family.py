@@ -173,15 +173,7 @@ class VoxtralRealtimeFamily(ModelFamily):
 
     @cached_property
     def text(self) -> TextDims:
-        t = self.arch.text
-        return TextDims(
-            vocab_size=t.vocab_size,
-            hidden_size=t.hidden_size,
-            num_layers=t.num_layers,
-            num_kv_heads=t.num_kv_heads,
-            head_dim=t.head_dim,
-            max_position_embeddings=t.max_position_embeddings,
-        )
+        return TextDims.of(self.arch.text)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
