@@ -49,6 +49,7 @@ class Child:
         self.name = name
         self.argv = list(argv)
         self.proc = subprocess.Popen(_guarded(self.argv), env=env, start_new_session=True, **popen)
+        self.terminating = False  # SIGTERM sent
         logger.debug("started %s (pid %d): %s", name, self.proc.pid, " ".join(self.argv))
 
     @property
@@ -61,10 +62,14 @@ class Child:
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
+            self.terminating |= sig == signal.SIGTERM
 
     def stop(self, timeout: float) -> int:
-        """SIGTERM, wait up to `timeout` seconds for a clean exit, then SIGKILL."""
-        self.signal(signal.SIGTERM)
+        """SIGTERM (unless sent already), wait up to `timeout` seconds for a clean exit, then
+        SIGKILL. One SIGTERM only: a second could land after the child has stopped and dropped
+        its handler, and end a clean exit as killed."""
+        if not self.terminating:
+            self.signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ class RoleProcess:
         raise AssertionError(f"{self.name} at {self.address}: {status}, wanted {want}")
 
     def terminate(self, timeout: float = 30.0) -> int:
-        self.child.signal(signal.SIGTERM)
+        """SIGTERM, then the exit code."""
         return self.child.stop(timeout)
 
 
