@@ -251,7 +251,10 @@ def test_audio_to_an_image_model_is_invalid_argument(cluster):
 
 def test_client_cancel_and_abort_reach_the_lm_worker(cluster):
     request = epd_pb2.GenerateRequest(
-        request_id="to-abort", text="Go on", sampling=epd_pb2.SamplingParams(max_tokens=5000)
+        request_id="to-abort",
+        text="Go on",
+        # Past EOS: the random model's sampled stream could otherwise stop before the abort.
+        sampling=epd_pb2.SamplingParams(max_tokens=5000, ignore_eos=True),
     )
     stream = cluster.stub.Generate(request, timeout=60)
     next(stream)
@@ -260,7 +263,9 @@ def test_client_cancel_and_abort_reach_the_lm_worker(cluster):
     assert last.finish_reason == epd_pb2.FINISH_REASON_ABORT
 
     stream = cluster.stub.Generate(
-        epd_pb2.GenerateRequest(text="Go on", sampling=epd_pb2.SamplingParams(max_tokens=5000)),
+        epd_pb2.GenerateRequest(
+            text="Go on", sampling=epd_pb2.SamplingParams(max_tokens=5000, ignore_eos=True)
+        ),
         timeout=60,
     )
     next(stream)
