@@ -106,14 +106,13 @@ class Scheduler:
             request = self.waiting[0]
             ready = min(request.num_tokens, self.ready_tokens(request))
             cached = self.blocks.cached_prefix(request)
-            size = self.blocks.block_size
-            # The local prefix is taken only up to the first item still being fetched.
-            cached = cached[: ready // size] if ready < request.num_tokens else cached
-            num_local = len(cached) * size
-            # Tokens a KV connector holds past the local prefix (loaded before the forward). They
-            # may reach past that item (block hashes include the items' hashes): the request
-            # then waits for its embedding rather than compute past it.
+            num_local = len(cached) * self.blocks.block_size
+            # Tokens a KV connector holds past the local prefix (loaded before the forward).
             num_remote = self.kv.num_matched_tokens(request, num_local) if self.kv else 0
+            # Held KV, local or remote, may reach past an item whose embedding is still being
+            # fetched (block hashes include the items' hashes: it is that very item's KV). The
+            # request then waits for the embedding rather than compute past it, and keeps the
+            # hit: prefilling the text before the item now would give the blocks past it up.
             num_new = min(ready - num_local - num_remote, budget)
             if num_new <= 0:  # nothing to compute yet: it keeps its place
                 blocked.append(self.waiting.popleft())

@@ -5,6 +5,8 @@ embedding never comes fails alone and frees its blocks."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -138,6 +140,31 @@ def test_without_more_to_come_a_missing_embedding_still_fails_at_once(tiny_check
     engine.add_request(c.request(), sink, {})
     engine.run_to_completion()
     assert sink.last.finish_reason == "error" and "not provided" in sink.last.error
+
+
+def test_a_repeated_image_keeps_its_prefix_hit_while_its_embedding_is_fetched(
+    tiny_checkpoint, cases
+):
+    c = cases["before"]
+    (f,) = c.features
+    engine = make_engine(tiny_checkpoint, max_num_seqs=4)
+    sinks: dict[str, Collected] = {}
+    _add(engine, c, c.embeddings, sinks)
+    engine.run_to_completion()
+    assert sinks[c.request_id].token_ids == c.expected
+    # The same prompt again: its blocks through the image are cached, its embedding is not
+    # here yet (the worker frees embeddings with their requests and fetches them again).
+    again = replace(c, request_id="again", embeddings={})
+    _add(engine, again, {}, sinks)
+    engine.run_to_completion()
+    request = _request(engine, "again")
+    assert request.status is Status.WAITING and request.num_computed_tokens == 0
+    engine.add_embeddings("again", c.embeddings)
+    engine.run_to_completion()
+    size = engine.scheduler.blocks.block_size
+    assert request.num_cached_tokens >= f.offset + f.length  # the image's KV was reused
+    assert request.num_cached_tokens == (len(c.token_ids) - 1) // size * size
+    assert sinks["again"].token_ids == c.expected
 
 
 def test_scheduler_skips_a_waiting_request_with_nothing_ready():
