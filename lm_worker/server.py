@@ -496,7 +496,9 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the LM worker is still loading")
         load = self.engine.load()
+        blocks = self.engine.scheduler.blocks
         return epd_pb2.LMLoad(
+            prefix_block_size=blocks.block_size if blocks.enable_prefix_caching else 0,
             worker_id=self.name,
             waiting_for_embeddings=self.fetcher.waiting,
             role=self.config.lm.role,
