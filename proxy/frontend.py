@@ -73,6 +73,7 @@ class Chunk:
     finish_reason: int = epd_pb2.FINISH_REASON_UNSPECIFIED
     usage: epd_pb2.Usage | None = None
     timings: epd_pb2.StageTimings | None = None
+    rope_delta: int | None = None  # a prefill stage's position state, for its decode stage
 
 
 class Frontend:
@@ -220,6 +221,7 @@ class Frontend:
         attempt = -1
         target = None  # the decode worker a prefill stage sent its KV to (direct KV)
         chains = PromptChains(req.prompt_token_ids, req.items)  # prefix affinity's keys
+        rope_delta = None  # the prefill stage's, carried by the decode stage (and its retries)
         while attempt + 1 < self.retries:
             attempt += 1
             if running.aborted:  # aborted while it migrated
@@ -231,6 +233,8 @@ class Frontend:
                 return
             lm_id = f"{req.request_id}@{uuid.uuid4().hex[:12]}"
             msg = self._lm_message(req, lm_id, sent, sent_chars)
+            if rope_delta is not None:
+                msg.rope_delta = rope_delta
             stage = self.pd.stage(msg, sent)  # prefill / decode split (proxy/pd.py)
             worker = self.pd.pick(stage, tried, target, chains) if stage else None
             worker = worker or self.pd.pick_any(tried, chains) or self.lms.pick()
@@ -257,6 +261,7 @@ class Frontend:
                     if stage == PREFILL and self.pd.handed_over(worker, msg, chunk.finish_reason):
                         # The first token goes out now; a decode worker streams the rest.
                         handed_over = True
+                        rope_delta = chunk.rope_delta
                         chunk.finish_reason = epd_pb2.FINISH_REASON_UNSPECIFIED
                         chunk.usage = chunk.timings = None
                     sent.extend(chunk.token_ids)
@@ -368,6 +373,8 @@ def _chunk(msg: epd_pb2.LMGenerateResponse) -> Chunk:
         chunk.usage.CopyFrom(msg.usage)
         chunk.timings = epd_pb2.StageTimings()
         chunk.timings.CopyFrom(msg.timings)
+        if msg.HasField("rope_delta"):
+            chunk.rope_delta = msg.rope_delta
     return chunk
 
 
