@@ -292,6 +292,13 @@ class ProxyConfig:
     circuit_cooldown_seconds: float = 5.0
     # How often the proxy asks each worker for its load.
     load_poll_seconds: float = 0.5
+    # Prefix-cache affinity: an LM call goes to the worker holding the longest prefix of its
+    # prompt (prefill, decode and whole requests alike) unless that worker's queued tokens
+    # exceed those of the worker load alone would pick by more than the margin. The proxy
+    # remembers up to `prefix_affinity_blocks` block hashes of prompts it saw complete, each
+    # with the workers that hold it (least recently recorded dropped first; 0: off).
+    prefix_affinity_blocks: int = 262144
+    prefix_affinity_margin_tokens: int = 2048
     # On SIGTERM: how long requests in flight may take to finish before the proxy exits.
     drain_timeout_seconds: float = 30.0
     # Single flight across proxies: a proxy encoding an item keeps a "being encoded" mark on it
@@ -334,6 +341,9 @@ class ProxyConfig:
         ):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        for key in ("prefix_affinity_blocks", "prefix_affinity_margin_tokens"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
         _check_port("grpc_port", self.grpc_port)
         _check_port("http_port", self.http_port)
         if self.grpc_port == self.http_port:

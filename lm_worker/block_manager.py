@@ -1,19 +1,20 @@
 """Paged KV cache bookkeeping: fixed-size blocks, a free list, and prefix caching.
 
-A full block is identified by a hash chain: hash(previous block's hash, its token ids, the
-mm_hashes of media items whose placeholders fall in it). Two prompts with the same text and
-different images therefore never share blocks. Freed blocks keep their hash until reused, so a
-later request with the same prefix can take them back (LRU order of the free list).
+A full block is identified by a hash chain (common/block_hash.py): hash(previous block's hash,
+its token ids, the mm_hashes of media items whose placeholders fall in it). Two prompts with
+the same text and different images therefore never share blocks. Freed blocks keep their hash
+until reused, so a later request with the same prefix can take them back (LRU order of the free
+list).
 
 Block 0 is never handed out: padded slots of CUDA-graph batches write their KV there.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from common.block_hash import extend_chain
 from lm_worker.request import Request
 
 NULL_BLOCK = 0
@@ -29,17 +30,9 @@ class Block:
 def extend_block_hashes(request: Request, num_tokens: int, block_size: int) -> list[bytes]:
     """Extend the request's hash chain to cover its full blocks among the first num_tokens
     tokens; returns the chain (cached on the request: each block is hashed once)."""
-    chain = request.block_hashes
-    tokens = request.all_token_ids
-    for start in range(len(chain) * block_size, num_tokens - block_size + 1, block_size):
-        end = start + block_size
-        h = hashlib.blake2b(chain[-1] if chain else b"", digest_size=16)
-        h.update(b"".join(t.to_bytes(4, "little") for t in tokens[start:end]))
-        for f in request.mm_features:
-            if f.offset < end and start < f.offset + f.length:
-                h.update(f.mm_hash.encode())
-        chain.append(h.digest())
-    return chain
+    return extend_chain(
+        request.block_hashes, request.all_token_ids, request.mm_features, num_tokens, block_size
+    )
 
 
 class BlockManager:

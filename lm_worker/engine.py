@@ -279,6 +279,7 @@ class LMEngine:
             for request in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._finish(request, "error", error=f"LM worker scheduling failed: {e}")
             return False
+        self._preempted_without_media(batch)
         if not batch.requests:
             return False
         self.metrics.preemptions.inc(len(batch.preempted))
@@ -320,8 +321,17 @@ class LMEngine:
                 self._run_isolating(sub, failed)
         return True
 
+    def _preempted_without_media(self, batch: ScheduledBatch) -> None:
+        """A preempted request whose media KV came from the tier has no embeddings to compute
+        it again: it ends here, to continue on another worker (never on wrong positions)."""
+        for request in batch.preempted:
+            if request.media_in_kv:
+                error = "preempted, and its media embeddings were never fetched (KV from the tier)"
+                self._finish(request, "error", error=error, error_kind="moved")
+
     def step(self) -> bool:
         batch = self.scheduler.schedule()
+        self._preempted_without_media(batch)
         if not batch.requests:
             return False
         self.metrics.preemptions.inc(len(batch.preempted))

@@ -121,6 +121,8 @@ class ModelRunner:
         rows excluded: they arrive as the audio does); `add_embeddings` brings them later.
         Raises EmbeddingMismatch when the embeddings do not fit its prompt (it is then removed
         again)."""
+        if request.media_in_kv:  # its positions past the media are set; nothing to gather
+            return []
         self.mm.add_request(request.request_id, request.mm_features)
         if request.realtime_session is not None:
             self.realtime_stream(request.realtime_session)

@@ -37,6 +37,9 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # The family's per-request position state (ModelState.rope_state; None: plain positions).
     rope: Any = None
+    # Every token that takes a media embedding has its KV from the KV tier (a decode stage):
+    # `rope` is the family's state past the media, and no embedding is fetched or gathered.
+    media_in_kv: bool = False
     draws: Draws | None = None  # set when the request samples (or has a seed)
     # A resumed request: its last `resumed_output_tokens` prompt tokens are output it gave
     # before (elsewhere), of which the client has received `resumed_text_chars` characters.

@@ -377,6 +377,12 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                 # Media embeddings come from the connector (a realtime session's rows come
                 # through its stream).
                 media = any(f.mm_hash != session for f in req.mm_features)
+                if engine.kv is not None:  # the blocks the KV tier holds, off the engine
+                    covered = await asyncio.to_thread(
+                        engine.kv.prefetch, req, request.kv_handover, request.kv_target
+                    )
+                    if media and session is None and covered >= req.embeds_end:
+                        media = not self._media_from_kv(req, request)
                 overlap = media and self.config.lm.overlap_encode_prefill
                 if media and not overlap:
                     live.fetch = asyncio.ensure_future(self.fetcher.fetch(req, report))
@@ -400,10 +406,6 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                         )
                     )
                     return
-                if engine.kv is not None:  # the blocks the KV tier holds, off the engine
-                    await asyncio.to_thread(
-                        engine.kv.prefetch, req, request.kv_handover, request.kv_target
-                    )
                 req.arrival = time.monotonic()
                 admitted = req.arrival - started  # before the engine had it
                 engine.add_request(req, queue.put_nowait, embeddings, more_to_come=overlap)
@@ -434,6 +436,7 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                         code = {
                             "request": grpc.StatusCode.FAILED_PRECONDITION,
                             "stuck": grpc.StatusCode.UNAVAILABLE,  # migrated elsewhere
+                            "moved": grpc.StatusCode.UNAVAILABLE,
                         }.get(out.error_kind, grpc.StatusCode.INTERNAL)
                         await context.abort(code, out.error or "engine error")
                     msg = to_response(out)
@@ -441,6 +444,10 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                         finished = True
                         if engine.kv is not None:  # a handover's blocks are all stored first
                             await wait_saves(engine.kv, req.request_id)
+                        if request.kv_handover and req.rope is not None:
+                            delta = engine.runner.model_state.rope_delta(req.rope)
+                            if delta is not None:  # the decode stage positions with it
+                                msg.rope_delta = delta
                         if live.embedding_wait is not None:
                             msg.timings.embedding_wait_seconds = live.embedding_wait
                         msg.timings.total_seconds = time.monotonic() - started
@@ -455,12 +462,26 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                 self.active.pop(req.request_id, None)
                 if engine.kv is not None:
                     engine.kv.pending_saves(req.request_id)  # not waited for: dropped
+                    if not live.in_engine:  # what its prefetch kept, the engine never took
+                        engine.kv.request_finished(req.request_id)
                 if live.fetch is not None:
                     live.fetch.cancel()
                 if not finished and live.in_engine:  # the client went away, or its deadline
                     engine.abort(req.request_id)
                 if session is not None:
                     self.feeder.stop(session)
+
+    def _media_from_kv(self, req: Request, msg: epd_pb2.LMGenerateRequest) -> bool:
+        """Every token of the request that takes a media embedding has its KV from the tier:
+        position the rest with the prefill worker's rope delta and fetch no embedding (True).
+        Without a delta the family can use, False: the embeddings are fetched as usual."""
+        delta = msg.rope_delta if msg.HasField("rope_delta") else None
+        try:
+            req.rope = self.engine.runner.model_state.rope_past_media(req.num_prompt_tokens, delta)
+        except ValueError:
+            return False
+        req.media_in_kv = True
+        return True
 
     def _fetched(self, request_id: str, started: float, fetch: asyncio.Future) -> None:
         """An overlapped fetch ended: note its wait, or fail the request in the engine (its
@@ -496,7 +517,9 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the LM worker is still loading")
         load = self.engine.load()
+        blocks = self.engine.scheduler.blocks
         return epd_pb2.LMLoad(
+            prefix_block_size=blocks.block_size if blocks.enable_prefix_caching else 0,
             worker_id=self.name,
             waiting_for_embeddings=self.fetcher.waiting,
             role=self.config.lm.role,

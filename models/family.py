@@ -189,6 +189,18 @@ class ModelState:
         `media_positions`: LoadedEmbedding.positions by mm_hash (items that carry some)."""
         return None
 
+    def rope_delta(self, rope: Any) -> int | None:
+        """What another worker needs of `rope` to position a request's tokens past its media
+        (`rope_past_media`); None: nothing (plain positions)."""
+        return None
+
+    def rope_past_media(self, num_prompt_tokens: int, delta: int | None) -> Any:
+        """Per-request position state for a request whose media positions this worker never
+        computes (their KV came from the one that prefilled it), from that worker's
+        `rope_delta`: exact for the tokens past the last media item only. ValueError when
+        `delta` is not enough to make it."""
+        return None
+
     def positions(
         self, rope: Any, num_prompt_tokens: int, start: int, end: int
     ) -> np.ndarray:  # [position_axes, end - start] int64

@@ -456,7 +456,7 @@ class MMFeature(_message.Message):
     def __init__(self, mm_hash: _Optional[str] = ..., modality: _Optional[_Union[Modality, str]] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., is_embed: _Optional[_Iterable[bool]] = ..., grid: _Optional[_Union[GridTHW, _Mapping]] = ..., second_per_grid_t: _Optional[float] = ...) -> None: ...
 
 class LMGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "mm_features", "sampling", "realtime_session_id", "resumed_output_tokens", "resumed_text_chars", "kv_handover", "kv_target")
+    __slots__ = ("request_id", "prompt_token_ids", "mm_features", "sampling", "realtime_session_id", "resumed_output_tokens", "resumed_text_chars", "kv_handover", "kv_target", "rope_delta")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MM_FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -466,6 +466,7 @@ class LMGenerateRequest(_message.Message):
     RESUMED_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDOVER_FIELD_NUMBER: _ClassVar[int]
     KV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    ROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     mm_features: _containers.RepeatedCompositeFieldContainer[MMFeature]
@@ -475,10 +476,11 @@ class LMGenerateRequest(_message.Message):
     resumed_text_chars: int
     kv_handover: bool
     kv_target: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Iterable[_Union[MMFeature, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., realtime_session_id: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ..., resumed_text_chars: _Optional[int] = ..., kv_handover: _Optional[bool] = ..., kv_target: _Optional[str] = ...) -> None: ...
+    rope_delta: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Iterable[_Union[MMFeature, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., realtime_session_id: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ..., resumed_text_chars: _Optional[int] = ..., kv_handover: _Optional[bool] = ..., kv_target: _Optional[str] = ..., rope_delta: _Optional[int] = ...) -> None: ...
 
 class LMGenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "timings", "missing_mm_hashes")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "timings", "missing_mm_hashes", "rope_delta")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -486,6 +488,7 @@ class LMGenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     MISSING_MM_HASHES_FIELD_NUMBER: _ClassVar[int]
+    ROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
@@ -493,10 +496,11 @@ class LMGenerateResponse(_message.Message):
     usage: Usage
     timings: StageTimings
     missing_mm_hashes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., missing_mm_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+    rope_delta: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., missing_mm_hashes: _Optional[_Iterable[str]] = ..., rope_delta: _Optional[int] = ...) -> None: ...
 
 class LMLoad(_message.Message):
-    __slots__ = ("worker_id", "running_requests", "waiting_requests", "running_tokens", "waiting_tokens", "kv_blocks_used", "kv_blocks_total", "tokens_per_second", "waiting_for_embeddings", "ec_local_hits", "ec_local_misses", "ec_redis_hits", "ec_redis_misses", "batch_size", "max_model_len", "role", "kv_tier", "kv_bytes_sent", "kv_bytes_received", "kv_blocks_pulled", "kv_blocks_corrupt", "kv_address", "kv_send_seconds", "realtime_sessions", "realtime_rows", "kv_transfer_p50_seconds", "kv_transfer_p99_seconds", "realtime_waiting_steps")
+    __slots__ = ("worker_id", "running_requests", "waiting_requests", "running_tokens", "waiting_tokens", "kv_blocks_used", "kv_blocks_total", "tokens_per_second", "waiting_for_embeddings", "ec_local_hits", "ec_local_misses", "ec_redis_hits", "ec_redis_misses", "batch_size", "max_model_len", "role", "kv_tier", "kv_bytes_sent", "kv_bytes_received", "kv_blocks_pulled", "kv_blocks_corrupt", "kv_address", "kv_send_seconds", "realtime_sessions", "realtime_rows", "kv_transfer_p50_seconds", "kv_transfer_p99_seconds", "realtime_waiting_steps", "prefix_block_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -525,6 +529,7 @@ class LMLoad(_message.Message):
     KV_TRANSFER_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REALTIME_WAITING_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running_requests: int
     waiting_requests: int
@@ -553,4 +558,5 @@ class LMLoad(_message.Message):
     kv_transfer_p50_seconds: float
     kv_transfer_p99_seconds: float
     realtime_waiting_steps: int
-    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., waiting_for_embeddings: _Optional[int] = ..., ec_local_hits: _Optional[int] = ..., ec_local_misses: _Optional[int] = ..., ec_redis_hits: _Optional[int] = ..., ec_redis_misses: _Optional[int] = ..., batch_size: _Optional[float] = ..., max_model_len: _Optional[int] = ..., role: _Optional[str] = ..., kv_tier: _Optional[str] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_blocks_pulled: _Optional[int] = ..., kv_blocks_corrupt: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_send_seconds: _Optional[float] = ..., realtime_sessions: _Optional[int] = ..., realtime_rows: _Optional[int] = ..., kv_transfer_p50_seconds: _Optional[float] = ..., kv_transfer_p99_seconds: _Optional[float] = ..., realtime_waiting_steps: _Optional[int] = ...) -> None: ...
+    prefix_block_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., waiting_for_embeddings: _Optional[int] = ..., ec_local_hits: _Optional[int] = ..., ec_local_misses: _Optional[int] = ..., ec_redis_hits: _Optional[int] = ..., ec_redis_misses: _Optional[int] = ..., batch_size: _Optional[float] = ..., max_model_len: _Optional[int] = ..., role: _Optional[str] = ..., kv_tier: _Optional[str] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_blocks_pulled: _Optional[int] = ..., kv_blocks_corrupt: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_send_seconds: _Optional[float] = ..., realtime_sessions: _Optional[int] = ..., realtime_rows: _Optional[int] = ..., kv_transfer_p50_seconds: _Optional[float] = ..., kv_transfer_p99_seconds: _Optional[float] = ..., realtime_waiting_steps: _Optional[int] = ..., prefix_block_size: _Optional[int] = ...) -> None: ...

@@ -19,6 +19,7 @@ from common.signing import HashSigner
 from connector import AsyncECConnector
 from connector.client import async_client
 from proto import epd_pb2, epd_pb2_grpc
+from proxy.affinity import Affinity
 from proxy.frontend import Chunk, Frontend
 from proxy.metrics import ProxyMetrics
 from proxy.prepare import ChatMessage, PreparedRequest, RequestBuilder
@@ -81,6 +82,11 @@ class Proxy:
             c.proxy.retries,
             c.proxy.request_timeout_seconds,
             c.proxy.encode_mark_ttl_seconds,
+            Affinity(
+                c.proxy.prefix_affinity_blocks,
+                c.proxy.prefix_affinity_margin_tokens,
+                metrics.affinity_routes,
+            ),
         )
         self.frontend.dispatcher.signer = HashSigner(c.cluster.signing_key())
         self.pending = 0

@@ -27,6 +27,7 @@ import grpc
 
 from connector import AsyncECConnector, ConnectorError
 from proto import epd_pb2
+from proxy.affinity import Affinity, PromptChains
 from proxy.encode import RETRYABLE, EncodeDispatcher, Unavailable, backoff
 from proxy.metrics import ProxyMetrics
 from proxy.pd import PREFILL, PDRouter
@@ -72,6 +73,7 @@ class Chunk:
     finish_reason: int = epd_pb2.FINISH_REASON_UNSPECIFIED
     usage: epd_pb2.Usage | None = None
     timings: epd_pb2.StageTimings | None = None
+    rope_delta: int | None = None  # a prefill stage's position state, for its decode stage
 
 
 class Frontend:
@@ -84,6 +86,7 @@ class Frontend:
         retries: int,
         encode_timeout: float,
         mark_ttl: float,
+        affinity: Affinity | None = None,
     ):
         self.connector = connector
         self.encoders = encoders
@@ -91,7 +94,7 @@ class Frontend:
         self.metrics = metrics
         self.retries = retries
         self.dispatcher = EncodeDispatcher(encoders, metrics, retries, connector, mark_ttl)
-        self.pd = PDRouter(lms)
+        self.pd = PDRouter(lms, affinity)
         self.encode_timeout = encode_timeout
         # Client request id -> the requests running under it. Clients' ids may collide; each
         # LM call gets a unique id, so every one of them stays abortable.
@@ -217,6 +220,8 @@ class Frontend:
         tried: set[str] = set()
         attempt = -1
         target = None  # the decode worker a prefill stage sent its KV to (direct KV)
+        chains = PromptChains(req.prompt_token_ids, req.items)  # prefix affinity's keys
+        rope_delta = None  # the prefill stage's, carried by the decode stage (and its retries)
         while attempt + 1 < self.retries:
             attempt += 1
             if running.aborted:  # aborted while it migrated
@@ -228,14 +233,16 @@ class Frontend:
                 return
             lm_id = f"{req.request_id}@{uuid.uuid4().hex[:12]}"
             msg = self._lm_message(req, lm_id, sent, sent_chars)
+            if rope_delta is not None:
+                msg.rope_delta = rope_delta
             stage = self.pd.stage(msg, sent)  # prefill / decode split (proxy/pd.py)
-            worker = self.pd.pick(stage, tried, target) if stage else None
-            worker = worker or self.lms.pick(exclude=tried) or self.lms.pick()
+            worker = self.pd.pick(stage, tried, target, chains) if stage else None
+            worker = worker or self.pd.pick_any(tried, chains) or self.lms.pick()
             if worker is None:
                 raise Unavailable("no LM worker is available")
             tried.add(worker.address)
             if stage == PREFILL:
-                target = self.pd.cap(msg)
+                target = self.pd.cap(msg, chains)
             carried = len(sent)  # output tokens this call takes as prompt
             if msg.sampling.HasField("max_tokens") and msg.sampling.max_tokens < 1:
                 usage = epd_pb2.Usage(
@@ -254,6 +261,7 @@ class Frontend:
                     if stage == PREFILL and self.pd.handed_over(worker, msg, chunk.finish_reason):
                         # The first token goes out now; a decode worker streams the rest.
                         handed_over = True
+                        rope_delta = chunk.rope_delta
                         chunk.finish_reason = epd_pb2.FINISH_REASON_UNSPECIFIED
                         chunk.usage = chunk.timings = None
                     sent.extend(chunk.token_ids)
@@ -263,6 +271,7 @@ class Frontend:
                         chunk.usage.completion_tokens += carried
                     yield chunk
                 self.lms.succeeded(worker)
+                self.pd.record(worker, chains)
                 if not handed_over:
                     return
                 self.metrics.handovers.inc()
@@ -364,6 +373,8 @@ def _chunk(msg: epd_pb2.LMGenerateResponse) -> Chunk:
         chunk.usage.CopyFrom(msg.usage)
         chunk.timings = epd_pb2.StageTimings()
         chunk.timings.CopyFrom(msg.timings)
+        if msg.HasField("rope_delta"):
+            chunk.rope_delta = msg.rope_delta
     return chunk
 
 

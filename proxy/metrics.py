@@ -101,6 +101,13 @@ class ProxyMetrics:
             "Requests moved to another LM worker mid-stream (theirs failed after some output)",
             **kw,
         )
+        self.affinity_routes = Counter(
+            "epd_prefix_affinity_routes_total",
+            "LM calls routed by prefix-cache affinity: to the worker holding the longest prefix "
+            "(holder), past it for its load (load), or with no worker holding any (none)",
+            ["outcome"],
+            **kw,
+        )
         self.handovers = Counter(
             "epd_pd_handovers_total",
             "Requests handed from a prefill worker to a decode worker (prefill / decode split)",

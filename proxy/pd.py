@@ -19,6 +19,7 @@ that wants one token) a request runs whole on one worker, as before.
 from __future__ import annotations
 
 from proto import epd_pb2
+from proxy.affinity import Affinity, PromptChains
 from proxy.workers import Worker, WorkerPool
 
 PREFILL = "prefill"
@@ -31,8 +32,12 @@ def role_of(worker: Worker) -> str:
 
 
 class PDRouter:
-    def __init__(self, lms: WorkerPool):
+    """Chooses the LM worker of each call, split or not, with prefix-cache affinity
+    (proxy/affinity.py) over the plain load rule of each stage."""
+
+    def __init__(self, lms: WorkerPool, affinity: Affinity | None = None):
         self.lms = lms
+        self.affinity = affinity or Affinity(0, 0)
 
     def _usable(self, role: str, exclude: set[str]) -> list[Worker]:
         return [
@@ -56,25 +61,47 @@ class PDRouter:
             return None
         return PREFILL
 
-    def pick(self, stage: str, exclude: set[str], prefer: Worker | None = None) -> Worker | None:
+    def pick(
+        self,
+        stage: str,
+        exclude: set[str],
+        prefer: Worker | None = None,
+        chains: PromptChains | None = None,
+    ) -> Worker | None:
         """A prefill worker by least queued tokens; a decode worker by most free KV blocks,
-        then least queued tokens (`prefer`: the one its KV was sent to, while usable)."""
+        then least queued tokens (`prefer`: the one its KV was sent to, while usable); either
+        way the one holding the longest prefix of the prompt, within the affinity's margin."""
         workers = self._usable(stage, exclude)
         if prefer is not None and prefer in workers:
             return prefer
         if stage == PREFILL:
-            return min(workers, key=lambda w: (w.queued_tokens(), w.address), default=None)
-        return min(
-            workers, key=lambda w: (-_free_blocks(w), w.queued_tokens(), w.address), default=None
-        )
+            baseline = min(workers, key=lambda w: (w.queued_tokens(), w.address), default=None)
+        else:
+            baseline = min(
+                workers,
+                key=lambda w: (-_free_blocks(w), w.queued_tokens(), w.address),
+                default=None,
+            )
+        return self.affinity.choose(workers, baseline, chains)
 
-    def cap(self, msg: epd_pb2.LMGenerateRequest) -> Worker | None:
+    def pick_any(self, exclude: set[str], chains: PromptChains | None = None) -> Worker | None:
+        """A whole request (no split): any role, least queued tokens, with affinity."""
+        workers = [w for w in self.lms.workers.values() if w.usable() and w.address not in exclude]
+        return self.affinity.choose(workers, self.lms.pick(exclude), chains)
+
+    def record(self, worker: Worker, chains: PromptChains | None) -> None:
+        """A call on `worker` completed: it holds the prompt's blocks now."""
+        self.affinity.record(worker, chains)
+
+    def cap(
+        self, msg: epd_pb2.LMGenerateRequest, chains: PromptChains | None = None
+    ) -> Worker | None:
         """Make `msg` a prefill stage: one token, its KV handed over. With direct KV, the
         decode worker is chosen now and the blocks go straight to it: that worker (else
         None)."""
         msg.sampling.max_tokens = 1
         msg.kv_handover = True
-        target = self.pick(DECODE, set())
+        target = self.pick(DECODE, set(), chains=chains)
         if target is None or not target.load.kv_address:
             return None
         msg.kv_target = target.load.kv_address
@@ -90,9 +117,28 @@ class PDRouter:
         return not context or len(msg.prompt_token_ids) + 1 < context
 
 
+# A realtime session's LM worker, by role. A session runs whole on one worker: its prompt is a
+# few tokens (the audio arrives during decode, one embedding per step from its stream), so a
+# prefill stage would have nothing to take off the decode worker and would add a handover to
+# its first token. `both` workers first; without one, decode workers (sized for KV and decode
+# steps) before prefill workers: any role serves a whole request.
+REALTIME_ROLES = ("both", DECODE, PREFILL)
+
+
+def realtime_pick(lms: WorkerPool, exclude: set[str]) -> Worker | None:
+    """The LM worker for a realtime session: the first role of REALTIME_ROLES with a usable
+    worker, least queued tokens among them."""
+    workers = [w for w in lms.workers.values() if w.usable() and w.address not in exclude]
+    return min(
+        workers,
+        key=lambda w: (REALTIME_ROLES.index(role_of(w)), w.queued_tokens(), w.address),
+        default=None,
+    )
+
+
 def _free_blocks(worker: Worker) -> int:
     load = worker.load
     return 0 if load is None else load.kv_blocks_total - load.kv_blocks_used
 
 
-__all__ = ["DECODE", "PREFILL", "PDRouter", "role_of"]
+__all__ = ["DECODE", "PREFILL", "REALTIME_ROLES", "PDRouter", "realtime_pick", "role_of"]

@@ -1,7 +1,8 @@
 """Realtime audio sessions in the proxy, shared by gRPC `Inference.Realtime` (server.py) and
 `GET /v1/realtime` (realtime_ws.py).
 
-A session is pinned to one encoder worker and one LM worker:
+A session is pinned to one encoder worker and one LM worker (a `both` LM worker while one is
+up: a session is not split into prefill and decode, proxy/pd.py `realtime_pick`):
 
     client audio -> proxy (keeps all of it) -> Encoder.EncodeStream (the session's streaming
     encoder state) -> the session's Redis Stream -> the LM worker's blocking reader -> its
@@ -25,7 +26,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,6 +35,7 @@ import numpy as np
 from connector.streams import SessionStreams, StreamError
 from models import MediaError
 from proto import epd_pb2
+from proxy.pd import realtime_pick
 from proxy.workers import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -392,7 +394,7 @@ class RealtimeSession:
         last: SessionError | None = None
         attempt = 0
         while True:
-            worker = await _pick(pool, tried, "LM")
+            worker = await _pick(pool, tried, "LM", realtime_pick)
             if worker is None:
                 self.fail(last or SessionError(grpc.StatusCode.UNAVAILABLE, "no LM worker is up"))
                 return
@@ -434,18 +436,26 @@ class RealtimeSession:
                     return
 
 
-async def _pick(pool: WorkerPool, tried: set[str], what: str, wait: float = 5.0) -> Worker | None:
-    """The least loaded usable worker not tried yet, waiting a little for one to come up."""
+async def _pick(
+    pool: WorkerPool,
+    tried: set[str],
+    what: str,
+    choose: Callable[[WorkerPool, set[str]], Worker | None] | None = None,
+    wait: float = 5.0,
+) -> Worker | None:
+    """A usable worker not tried yet (`choose`'s, else the least loaded), waiting a little for
+    one to come up."""
+    choose = choose or (lambda p, exclude: p.pick(exclude=exclude))
     deadline = time.monotonic() + wait
     while True:
-        worker = pool.pick(exclude=tried)
+        worker = choose(pool, tried)
         if worker is not None or time.monotonic() >= deadline:
             return worker
         pool.changed.clear()
         try:
             await asyncio.wait_for(pool.changed.wait(), deadline - time.monotonic())
         except TimeoutError:
-            return pool.pick(exclude=tried)
+            return choose(pool, tried)
 
 
 __all__ = ["Delta", "RealtimeService", "RealtimeSession", "SessionError", "Settings"]

@@ -13,8 +13,12 @@ import grpc
 import pytest
 import redis
 
+from common.config import load_config
+from common.served_model import resolve_model
+from models import MediaInput
 from models.testing import ImageItem
-from proto import epd_pb2
+from proto import epd_pb2, epd_pb2_grpc
+from proxy.prepare import ChatMessage, Part, RequestBuilder
 from tests.cluster_helpers import Cluster, image_bytes
 
 MAX_TOKENS = 12
@@ -100,9 +104,48 @@ def test_prefill_then_decode_equals_the_reference(cluster, tiny_ref, text, image
     # The decode worker took the whole prompt from the KV tier.
     assert last.usage.cached_prompt_tokens == last.usage.prompt_tokens
     time.sleep(0.5)  # a load poll after the request
-    prefill = kv_loads(cluster)["prefill-0"]
+    loads = kv_loads(cluster)
+    prefill = loads["prefill-0"]
     assert prefill["kv_bytes_sent"] > 0
     assert prefill["kv_transfer_p99_seconds"] >= prefill["kv_transfer_p50_seconds"] > 0
+    # The decode workers took the media's KV from the tier with the prefill's rope delta:
+    # neither has fetched an embedding (the prefill worker has, for the image prompts).
+    assert ec_fetches(loads["decode-1"]) == ec_fetches(loads["decode-2"]) == 0
+    assert (ec_fetches(prefill) > 0) == bool(images)
+
+
+def ec_fetches(load: dict) -> int:
+    """Embedding lookups a worker made in the EC cache, either tier."""
+    keys = ("ec_local_hits", "ec_local_misses", "ec_redis_hits", "ec_redis_misses")
+    return sum(int(load.get(k, 0)) for k in keys)
+
+
+def test_a_decode_worker_missing_the_media_blocks_fetches_the_embeddings(cluster, tiny_ref):
+    """A decode stage whose media blocks are not in the tier (text before the image this
+    time: no stored chain covers it) fetches the embeddings and positions with its own
+    M-RoPE state, whatever rope delta it was sent."""
+    served = resolve_model(load_config(cluster.config_path))
+    image = image_bytes(64, 48, 1)  # in the EC cache since the image test
+    prepared = RequestBuilder(served).build(
+        [ChatMessage("user", (Part(text="First this text, then"), Part(media_index=0)))],
+        [MediaInput(modality="image", image=image)],
+        epd_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+    )
+    msg = prepared.lm_request()
+    msg.request_id = "decode-fallback"
+    msg.rope_delta = 10_000  # wrong: used, it would change the tokens
+    decode = cluster.lm_addresses[1]
+    before = ec_fetches(kv_loads(cluster)["decode-1"])
+    with grpc.insecure_channel(decode) as channel:
+        stub = epd_pb2_grpc.LanguageModelStub(channel)
+        tokens = [t for r in stub.Generate(msg, timeout=60) for t in r.token_ids]
+    content = [{"type": "text", "text": "First this text, then"}, {"type": "image"}]
+    want = tiny_ref.generate(
+        [{"role": "user", "content": content}], [ImageItem(image)], max_tokens=6, ignore_eos=True
+    )
+    assert tokens == want
+    time.sleep(0.5)  # a load poll
+    assert ec_fetches(kv_loads(cluster)["decode-1"]) > before
 
 
 def test_one_token_requests_stay_on_one_worker(cluster, tiny_ref):

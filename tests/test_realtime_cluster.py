@@ -24,6 +24,8 @@ from websockets.asyncio.client import connect
 from models.registry import load_family
 from models.testing import make_checkpoint
 from proto import epd_pb2, epd_pb2_grpc
+from proxy.pd import realtime_pick
+from proxy.workers import Breaker, Worker, WorkerPool
 from tests.cluster_helpers import Cluster
 from tests.voxtral_helpers import encode, speech_like
 
@@ -584,3 +586,76 @@ def test_lm_worker_killed_mid_session_another_continues_without_repeating(two_lm
     assert [t for _, r in responses for t in r.token_ids] == expected
     assert "".join(r.text for _, r in responses) == whole_text
     assert two_lms.metric("epd_realtime_failovers_total", role="lm") == failovers + 1
+
+
+# -- the prefill / decode split: sessions stay on `both` workers ---------------------------------
+
+
+def test_realtime_sessions_prefer_both_then_decode_then_prefill_workers():
+    lms = WorkerPool("lm", None, (), None)
+    for address, role, queued in (
+        ("p:1", "prefill", 0),
+        ("d:1", "decode", 10),
+        ("d:2", "decode", 5),
+        ("b:1", "both", 100),
+    ):
+        w = Worker("lm", address, "static", None, None, Breaker(3, 1.0), status="SERVING")
+        w.set_load(epd_pb2.LMLoad(role=role, running_tokens=queued))
+        lms.workers[address] = w
+    assert realtime_pick(lms, set()).address == "b:1"  # busier, but the only `both` worker
+    assert realtime_pick(lms, {"b:1"}).address == "d:2"  # then decode, least loaded first
+    assert realtime_pick(lms, {"b:1", "d:1", "d:2"}).address == "p:1"
+    assert realtime_pick(lms, set(lms.workers)) is None
+
+
+@pytest.fixture(scope="module")
+def split_lms(tmp_path_factory, checkpoint):
+    c = Cluster(
+        tmp_path_factory.mktemp("split-lms"),
+        checkpoint,
+        encoders=1,
+        lms=2,
+        lm_roles=("decode", "both"),
+        lm={"block_size": 8},
+    )
+    yield c
+    c.stop()
+
+
+def test_a_session_runs_on_the_both_worker_and_fails_over_to_a_decode_worker(split_lms, clips):
+    """The session starts on the `both` worker (lm-1) whatever the load order of the two; when
+    it is killed, the decode worker takes the session whole and it goes on unchanged."""
+    pcm, expected = clips[1]
+    seen: list[str] = []
+    deadline = time.monotonic() + 30
+    while True:  # until the proxy has learned both workers' roles (from GetLoad)
+        _, state = split_lms.http("/dashboard/state")
+        if sum(1 for w in state["workers"] if w["role"] == "lm" and w["load"]) == 2:
+            break
+        assert time.monotonic() < deadline, state["workers"]
+        time.sleep(0.1)
+
+    def kill_the_both_worker(i: int) -> None:
+        if i != 14:
+            return
+        seen.extend(n for n, load in _lm_loads(split_lms).items() if load.realtime_sessions)
+        split_lms.kill("lm-1")
+
+    responses, _ = grpc_session(split_lms, pcm, on_chunk=kill_the_both_worker)
+    assert seen == ["lm-1"]
+    assert [t for _, r in responses for t in r.token_ids] == expected
+    assert split_lms.metric("epd_realtime_failovers_total", role="lm") == 1
+    assert _lm_loads(split_lms)["lm-0"].realtime_rows == 0  # the session ended there
+
+
+def _lm_loads(cluster) -> dict[str, epd_pb2.LMLoad]:
+    """The live LM workers' own loads, by name."""
+    out = {}
+    for name, role in cluster.roles.items():
+        if role.kind != "lm" or role.child.proc.poll() is not None:
+            continue
+        with grpc.insecure_channel(role.address) as channel:
+            out[name] = epd_pb2_grpc.LanguageModelStub(channel).GetLoad(
+                epd_pb2.GetLoadRequest(), timeout=5
+            )
+    return out

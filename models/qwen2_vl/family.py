@@ -141,6 +141,16 @@ class MRopeState(ModelState):
         )
         return positions.numpy(), delta
 
+    def rope_delta(self, rope: Any) -> int | None:
+        return int(rope[1])
+
+    def rope_past_media(self, num_prompt_tokens: int, delta: int | None) -> Any:
+        # Past the last image or video, M-RoPE's three axes are all index + delta.
+        if delta is None:
+            raise ValueError("M-RoPE positions past the media need the prefill's delta")
+        past = np.arange(num_prompt_tokens, dtype=np.int64) + delta
+        return np.broadcast_to(past, (3, num_prompt_tokens)), int(delta)
+
     def positions(self, rope: Any, num_prompt_tokens: int, start: int, end: int) -> np.ndarray:
         prompt_positions, delta = rope
         if start >= num_prompt_tokens:  # decode (or recompute of outputs)
