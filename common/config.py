@@ -294,10 +294,12 @@ class ProxyConfig:
     load_poll_seconds: float = 0.5
     # Prefix-cache affinity: an LM call goes to the worker holding the longest prefix of its
     # prompt (prefill, decode and whole requests alike) unless that worker's queued tokens
-    # exceed those of the worker load alone would pick by more than the margin. The proxy
+    # exceed those of the worker load alone would pick by more than the prefix it holds, or
+    # than the margin when that is less. The proxy
     # remembers up to `prefix_affinity_blocks` block hashes of prompts it saw complete, each
-    # with the workers that hold it (least recently recorded dropped first; 0: off).
-    prefix_affinity_blocks: int = 262144
+    # with the workers that hold it (least recently recorded dropped first; 0: off; about 190
+    # bytes each: the default, a million tokens of 16-token blocks, takes 12 MB).
+    prefix_affinity_blocks: int = 65536
     prefix_affinity_margin_tokens: int = 2048
     # On SIGTERM: how long requests in flight may take to finish before the proxy exits.
     drain_timeout_seconds: float = 30.0

@@ -436,7 +436,7 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                         code = {
                             "request": grpc.StatusCode.FAILED_PRECONDITION,
                             "stuck": grpc.StatusCode.UNAVAILABLE,  # migrated elsewhere
-                            "moved": grpc.StatusCode.UNAVAILABLE,
+                            "moved": grpc.StatusCode.UNAVAILABLE,  # continued elsewhere
                         }.get(out.error_kind, grpc.StatusCode.INTERNAL)
                         await context.abort(code, out.error or "engine error")
                     msg = to_response(out)

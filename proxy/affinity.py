@@ -52,19 +52,19 @@ class PrefixIndex:
 
     def __init__(self, max_blocks: int):
         self.max_blocks = max_blocks
-        self._holders: OrderedDict[bytes, set[str]] = OrderedDict()
+        # Tuples, not sets: most blocks have one holder, and a tuple of one is a quarter the size.
+        self._holders: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._holders)
 
     def record(self, chain: Sequence[bytes], address: str) -> None:
         for h in reversed(chain):  # the head last: the most recently used, the last dropped
-            holders = self._holders.get(h)
-            if holders is None:
-                holders = self._holders[h] = set()
-            else:
-                self._holders.move_to_end(h)
-            holders.add(address)
+            holders = self._holders.get(h, ())
+            if address not in holders:
+                holders += (address,)
+            self._holders[h] = holders
+            self._holders.move_to_end(h)
         while len(self._holders) > self.max_blocks:
             self._holders.popitem(last=False)
 

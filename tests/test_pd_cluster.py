@@ -10,12 +10,14 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 import redis
 
 from common.config import load_config
 from common.served_model import resolve_model
-from models import MediaInput
+from models import MediaInput, MMFeature
+from models.qwen2_vl.family import MRopeState
 from models.testing import ImageItem
 from proto import epd_pb2, epd_pb2_grpc
 from proxy.prepare import ChatMessage, Part, RequestBuilder
@@ -76,6 +78,26 @@ def kv_loads(cluster: Cluster, count: int = 3) -> dict[str, dict]:
         for i, address in enumerate(cluster.lm_addresses)
         if address in loads
     }
+
+
+@pytest.mark.parametrize("tail", [1, 9])
+def test_positions_past_the_media_from_the_delta_equal_the_full_state(tail):
+    """What a decode worker positions with (the prefill's delta alone) equals the full M-RoPE
+    state for every token past the last image; without a delta there is no such state."""
+    state = MRopeState(None, 64, spatial_merge_size=2, tokens_per_second=None)
+    features = [
+        MMFeature("a", offset=3, length=16, grid_thw=(1, 8, 8)),
+        MMFeature("b", offset=22, length=12, grid_thw=(1, 6, 8)),
+    ]
+    prompt = 34 + tail  # the last image ends at 34
+    full = state.rope_state(prompt, features)
+    past = state.rope_past_media(prompt + 1, state.rope_delta(full))  # + the handed-over token
+    np.testing.assert_array_equal(
+        state.positions(past, prompt + 1, 34, prompt + 5),
+        state.positions(full, prompt, 34, prompt + 5),
+    )
+    with pytest.raises(ValueError):
+        state.rope_past_media(prompt + 1, None)
 
 
 def test_roles_are_reported(cluster):
