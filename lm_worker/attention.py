@@ -73,7 +73,8 @@ class PagedAttention:
         meta: PagedAttentionMetadata,
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        k_cache, v_cache = self.kv_cache[layer_idx]  # each [num_blocks, block_size, kvh, d]
+        layer_kv = self.kv_cache[layer_idx]  # [2, num_blocks, block_size, kvh, d]
+        k_cache, v_cache = layer_kv
         num_kv_heads, head_dim = k.shape[1:]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
@@ -81,9 +82,7 @@ class PagedAttention:
         parts = []
         num_decodes = meta.num_decodes
         if num_decodes:
-            parts.append(
-                self._decode(q[:num_decodes], k_cache, v_cache, meta, sliding_window, layer_idx)
-            )
+            parts.append(self._decode(q[:num_decodes], layer_kv, meta, sliding_window, layer_idx))
         start = num_decodes
         for n, seq_len, table in zip(
             meta.prefill_query_lens, meta.prefill_seq_lens, meta.prefill_block_tables, strict=True
@@ -108,15 +107,14 @@ class PagedAttention:
     def _decode(
         self,
         q,
-        k_cache,
-        v_cache,
+        layer_kv,  # [2, num_blocks, block_size, kvh, d]: this layer's keys and values
         meta: PagedAttentionMetadata,
         window: int | None,
         layer_idx: int,
     ) -> torch.Tensor:
         if self.decode_kernel is not None and q.is_cuda:
             return self.decode_kernel(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                q, layer_kv[0], layer_kv[1], meta.decode_block_tables, meta.decode_seq_lens,
                 self.scale, window,
             )  # fmt: skip
         # Every sequence's whole block table is gathered (under graphs: max_model_len keys),
@@ -124,9 +122,7 @@ class PagedAttention:
         D, _, head_dim = q.shape
         tables = meta.decode_block_tables  # [D, M]
         L = tables.shape[1] * self.block_size
-        kv = (
-            self.kv_cache[layer_idx][:, tables].view(2, D, L, -1, head_dim).transpose(2, 3)
-        )  # [2, D, kvh, L, d]
+        kv = layer_kv[:, tables].view(2, D, L, -1, head_dim).transpose(2, 3)  # [2, D, kvh, L, d]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [D, H, 1, d]
             kv[0],
