@@ -118,11 +118,12 @@ class PagedAttention:
                 self.scale, window,
             )  # fmt: skip
         # Every sequence's whole block table is gathered (under graphs: max_model_len keys),
-        # keys and values in one gather.
+        # keys and values in one index_select (a few times faster than advanced indexing).
         D, _, head_dim = q.shape
         tables = meta.decode_block_tables  # [D, M]
         L = tables.shape[1] * self.block_size
-        kv = layer_kv[:, tables].view(2, D, L, -1, head_dim).transpose(2, 3)  # [2, D, kvh, L, d]
+        kv = layer_kv.index_select(1, tables.reshape(-1))  # [2, D * M, block_size, kvh, d]
+        kv = kv.view(2, D, L, -1, head_dim).transpose(2, 3)  # [2, D, kvh, L, d]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [D, H, 1, d]
             kv[0],
