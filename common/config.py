@@ -456,8 +456,8 @@ class LMConfig:
     max_graph_batch_size: int = 64
     # The CPU's linear kernel: auto (timed at start-up over the model's own layers, the fastest
     # that matches F.linear; cached per CPU and model shape), linear (torch's F.linear), onednn
-    # (oneDNN on weights packed once).
-    cpu_linear: Literal["auto", "linear", "onednn"] = "auto"
+    # (oneDNN on weights packed once), mkl (MKL's packed sgemm for one-row products).
+    cpu_linear: Literal["auto", "linear", "onednn", "mkl"] = "auto"
     # How long a request may wait for its embeddings to appear in the cache.
     embedding_timeout_seconds: float = 120.0
     # Admit a request at once and prefill its text up to the first item whose embedding has

@@ -256,6 +256,8 @@ class ECConnector:
 
     def _fetch_mget(self, hashes: list[str]) -> list[bytes | None]:
         try:
+            if len(hashes) == 1:  # a plain GET: no array reply to build and parse
+                return [self.client.get(self.key(hashes[0]))]
             return self.client.mget([self.key(h) for h in hashes])
         except redis.RedisError as e:
             raise self._error(e, "get_many") from e
@@ -386,9 +388,13 @@ class ECConnector:
             found[h] = tensor
             if self.local is not None:
                 self.local.put(h, tensor)
-        self.metrics.bytes_in.inc(nbytes)
-        self.metrics.hit["get", "redis"].inc(len(found))
-        self.metrics.miss["get", "redis"].inc(len(misses))
+        # Counters only where they move: each inc takes a lock, on every fetch.
+        if nbytes:
+            self.metrics.bytes_in.inc(nbytes)
+        if found:
+            self.metrics.hit["get", "redis"].inc(len(found))
+        if misses:
+            self.metrics.miss["get", "redis"].inc(len(misses))
         if self.local is not None:
             self.metrics.local_bytes.set(self.local.nbytes)
         return found, misses, corrupt

@@ -15,23 +15,57 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: normalised in float32, cast back, then scaled: the reference's rounding order.
+        # (x * x is bit for bit x.pow(2); float32 skips the no-op casts: each is a dispatch,
+        # and a decode step of one token runs this 2 x layers + 1 times.)
+        if x.dtype == torch.float32:
+            return self.weight * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + self.eps))
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 
+def merge_linears(*layers: nn.Linear) -> nn.Linear:
+    """One linear layer computing `layers` side by side on the same input (outputs concatenated
+    in order): one matrix product that streams all their weights in one pass, where a decode
+    step of one row is bound by reading them. Each output is the same dot product as before."""
+    first = layers[0]
+    has_bias = first.bias is not None
+    for m in layers:
+        if m.in_features != first.in_features or (m.bias is not None) != has_bias:
+            raise ValueError("merged layers must share their input width and bias use")
+    merged = nn.Linear(
+        first.in_features,
+        sum(m.out_features for m in layers),
+        bias=has_bias,
+        device="meta",
+    )
+    merged.weight = nn.Parameter(torch.cat([m.weight.detach() for m in layers]))
+    if has_bias:
+        merged.bias = nn.Parameter(torch.cat([m.bias.detach() for m in layers]))
+    return merged
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU without biases: down(silu(gate(x)) * up(x)), the Qwen2 and Mistral LMs' MLP."""
+    """SwiGLU without biases: down(silu(gate(x)) * up(x)), the Qwen2 and Mistral LMs' MLP.
+    `merge` (inference) replaces gate and up by one layer computing both."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def merge(self) -> None:
+        self.gate_up_proj = merge_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def inverse_frequencies(dim: int, theta: float) -> torch.Tensor:

@@ -39,16 +39,18 @@ def test_choice_keeps_the_numbers_and_is_cached(tmp_path):
 def test_switching_kernels_back_and_forth_keeps_outputs():
     model = mlp()
     x = torch.randn(3, 64)
+    one = torch.randn(1, 64)
     with torch.inference_mode():
-        want = model(x)
+        want, want_one = model(x), model(one)
         dense = weight_bytes(model)
-        for kernel in ("onednn", "linear", "onednn"):
+        for kernel in ("onednn", "linear", "mkl", "onednn", "mkl", "linear"):
             use_kernel(model, kernel, keep_dense=True)
             torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(model(one), want_one, rtol=1e-4, atol=1e-5)
     assert weight_bytes(model) >= dense  # packed copies are what a step reads
 
 
-@pytest.mark.parametrize("kernel", ["linear", "onednn"])
+@pytest.mark.parametrize("kernel", ["linear", "onednn", "mkl"])
 def test_engine_gives_the_reference_tokens_with_either_kernel(tiny_checkpoint, kernel):
     from models.testing import ReferenceModel
     from tests.lm_helpers import case, run

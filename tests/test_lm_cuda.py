@@ -117,27 +117,27 @@ def _decode_case(dtype, seq_lens, head_dim, block=16, kv_heads=2, heads=8, width
 def test_triton_paged_decode_matches_the_torch_path(dtype, window, head_dim):
     att, q, meta = _decode_case(dtype, [1, 16, 17, 100, 250], head_dim)
     assert att.decode_kernel is not None, "the Triton decode kernel is not in use on CUDA"
-    k_cache, v_cache = att.kv_cache[0]
-    got = att._decode(q, k_cache, v_cache, meta, window)
+    layer_kv = att.kv_cache[0]
+    got = att._decode(q, layer_kv, meta, window, 0)
     att.decode_kernel = None  # the torch path: gathers every table's full width
-    want = att._decode(q, k_cache, v_cache, meta, window)
+    want = att._decode(q, layer_kv, meta, window, 0)
     tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 def test_triton_paged_decode_in_a_graph_follows_the_lengths_written_later():
     att, q, meta = _decode_case(torch.bfloat16, [5, 40, 130], 64, width=64)
-    k_cache, v_cache = att.kv_cache[0]
-    att._decode(q, k_cache, v_cache, meta, None)  # compile outside the capture
+    layer_kv = att.kv_cache[0]
+    att._decode(q, layer_kv, meta, None, 0)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = att._decode(q, k_cache, v_cache, meta, None)
+        out = att._decode(q, layer_kv, meta, None, 0)
     meta.decode_seq_lens.copy_(torch.tensor([70, 3, 200], device="cuda"))
     graph.replay()
     kernel = att.decode_kernel
     att.decode_kernel = None
-    want = att._decode(q, k_cache, v_cache, meta, None)
+    want = att._decode(q, layer_kv, meta, None, 0)
     att.decode_kernel = kernel
     torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
 
@@ -146,16 +146,16 @@ def test_triton_paged_decode_speed_at_long_context():
     # What graphs gain from reading only the used blocks: 8 sequences, tables 8192 tokens
     # wide (the torch path gathers all of them), half of them used. Printed with -s.
     att, q, meta = _decode_case(torch.bfloat16, [4096] * 8, 128, kv_heads=4, heads=32, width=512)
-    k_cache, v_cache = att.kv_cache[0]
+    layer_kv = att.kv_cache[0]
     times = {}
     for name, kernel in (("triton", att.decode_kernel), ("torch", None)):
         att.decode_kernel = kernel
         for _ in range(3):
-            att._decode(q, k_cache, v_cache, meta, None)
+            att._decode(q, layer_kv, meta, None, 0)
         torch.cuda.synchronize()
         started = time.perf_counter()
         for _ in range(20):
-            att._decode(q, k_cache, v_cache, meta, None)
+            att._decode(q, layer_kv, meta, None, 0)
         torch.cuda.synchronize()
         times[name] = (time.perf_counter() - started) / 20
     print(

@@ -204,3 +204,33 @@ def test_lm_loads_with_any_backend(pair):
         (i, (5, cfg.num_heads, cfg.head_dim), (5, cfg.num_kv_heads, cfg.head_dim), "step-1")
         for i in range(cfg.num_layers)
     ]
+
+
+def test_merged_projections_give_the_checkpoints_numbers(pair):
+    # The serving model merges q / k / v and gate / up into one layer each: same logits over a
+    # prefill and a decode step as the checkpoint's separate layers.
+    ours, _ = pair("qwen2_5_vl", False)
+    cfg = ours.lm.config
+    models = []
+    for merge in (False, True):
+        attention = ContiguousKVAttention(cfg.num_layers)
+        lm = Qwen2LanguageModel(cfg, attention)
+        lm.load_weights(ours.lm.state_dict())
+        if merge:
+            lm.merge_projections()
+        models.append((lm, attention))
+    merged = models[1][0]
+    assert merged.layers[0].self_attn.qkv_proj.out_features == (
+        (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    )
+    assert not hasattr(merged.layers[0].mlp, "gate_proj")
+    outs = []
+    with torch.inference_mode():
+        for lm, attention in models:
+            ids = torch.arange(7) + 3
+            prefill = lm(ids, torch.arange(7), attn_metadata=attention.metadata([0], [7]))
+            step = lm(
+                torch.tensor([9]), torch.tensor([7]), attn_metadata=attention.metadata([0], [1])
+            )
+            outs.append(lm.compute_logits(torch.cat([prefill, step])))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=LOGITS_ATOL)

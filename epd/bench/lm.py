@@ -7,7 +7,8 @@ Both sides run in this process on the same threads, interleaved round by round:
   vs 8), aggregate tokens/s including prefill, as a serving system would see it;
 - the roofline at batch 1: every decode step reads all LM weights once, so the fastest possible
   step takes weight bytes / memory *read* bandwidth (measured here as the better of a streaming
-  reduction and a DRAM-sized GEMV; a copy reads and writes, so its rate is no limit). Both ours
+  reduction and a GEMV, each over as many bytes as a step's weights; a copy reads and writes,
+  so its rate is no limit). Both ours
   and HF's batch-1 rates are given as a fraction of it.
 The CPU model and the linear kernel the LM worker chose at start-up are printed with the figures.
 The last line is one JSON object with the figures and ratios.
@@ -105,12 +106,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def read_bandwidth(device: str) -> dict[str, float]:
+def read_bandwidth(device: str, nbytes: int = 256 * 2**20) -> dict[str, float]:
     """Bytes per second *reading* memory (what a decode step does with its weights), best of 5:
-    a streaming reduction over 256 MiB, and a GEMV (one row) over a 256 MiB fp32 matrix. The
-    roofline divides by the larger. (A tensor copy reads and writes: it is no read rate.)"""
-    data = torch.ones(64 * 2**20, device=device)
-    matrix = data.view(16384, 4096)
+    a streaming reduction over `nbytes` (at least 256 MiB), and a GEMV (one row) over an fp32
+    matrix of that size. The roofline divides by the larger. The bench passes the weight bytes
+    of a step: a buffer that fits the last-level cache (300 MiB on some hosts) would be read
+    from it, faster than a step's weights stream. (A tensor copy reads and writes: it is no
+    read rate.)"""
+    rows = -(-max(nbytes, 256 * 2**20) // (4 * 4096))
+    data = torch.ones(rows * 4096, device=device)
+    matrix = data.view(rows, 4096)
     row = torch.ones(1, 4096, device=device)
     best = {"sum": float("inf"), "gemv": float("inf")}
     with torch.inference_mode():
@@ -163,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         )
     med = statistics.median
     weights = ours.weight_bytes()
-    reads = read_bandwidth(device)
+    reads = read_bandwidth(device, weights)
     bandwidth = max(reads.values())
     roofline = bandwidth / weights
     summary = {

@@ -243,9 +243,11 @@ class Qwen2VLFamily(ModelFamily):
     def load_language_model(
         self, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device
     ) -> Qwen2LanguageModel:
-        return Qwen2LanguageModel.from_checkpoint(
+        model = Qwen2LanguageModel.from_checkpoint(
             self.path, self.arch.text, attn_backend, dtype, device
         )
+        model.merge_projections()  # the serving model; the reference keeps the checkpoint's
+        return model
 
     def model_state(self, model) -> MRopeState:
         vision = self.arch.vision

@@ -15,7 +15,7 @@ from torch import nn
 
 from models.attention import AttentionBackend
 from models.checkpoint import assign_lm_weights, load_tensors, strip_prefixes
-from models.layers import GatedMLP, RMSNorm, apply_rotary
+from models.layers import GatedMLP, RMSNorm, apply_rotary, merge_linears
 from models.qwen2_vl.config import TextConfig
 from models.qwen2_vl.rope import MRotaryEmbedding
 
@@ -41,15 +41,31 @@ class Qwen2Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv, bias=True)
         self.v_proj = nn.Linear(hidden, kv, bias=True)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, hidden, bias=False)
+        self.qkv_proj: nn.Linear | None = None  # set by `merge`
+
+    def merge(self) -> None:
+        """One layer computing q, k and v (one pass over their weights instead of three)."""
+        self.qkv_proj = merge_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: Any
     ) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.qkv_proj is None:
+            q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:
+            # q and k sit side by side in the merged output: rotated in one pass.
+            qkv = self.qkv_proj(x)
+            heads = self.num_heads + self.num_kv_heads
+            qk = apply_rotary(
+                qkv[:, : heads * self.head_dim].view(T, heads, self.head_dim), cos, sin
+            )
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            v = qkv[:, heads * self.head_dim :].view(T, self.num_kv_heads, self.head_dim)
         out = self.backend(self.layer_idx, q, k, v, attn_metadata)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(T, -1))
 
@@ -108,6 +124,14 @@ class Qwen2LanguageModel(nn.Module):
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the checkpoint's LM tensors (local names) as this model's parameters."""
         assign_lm_weights(self, tensors, self.config.tie_word_embeddings)
+
+    def merge_projections(self) -> None:
+        """For inference: q / k / v, and the MLP's gate / up, each become one linear layer
+        (weights concatenated), so a decode step makes two matrix products per layer fewer and
+        streams the weights in longer runs. Outputs are the same dot products."""
+        for layer in self.layers:
+            layer.self_attn.merge()
+            layer.mlp.merge()
 
     def embed_input_ids(
         self,
