@@ -26,6 +26,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--steps", type=int, help="optimizer steps (default: the shipped model's)")
     train.add_argument("--batch-size", type=int, help="samples per step (default 32)")
     train.add_argument(
+        "--tower-steps", type=int,
+        help="steps of the vision tower alone first (default: the shipped model's)",
+    )  # fmt: skip
+    train.add_argument(
         "--threads", type=int, default=1, help="torch threads (default 1: pictures are drawn on "
         "a second thread meanwhile, so one is two cores' worth; on a shared machine one torch "
         "thread is several times faster than two)",
@@ -71,9 +75,12 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, steps=args.steps)
     if args.batch_size:
         settings = dataclasses.replace(settings, batch_size=args.batch_size)
+    if args.tower_steps is not None:
+        settings = dataclasses.replace(settings, tower_steps=args.tower_steps)
     print(
-        f"training {settings.steps} steps of {settings.batch_size} samples "
-        f"on {torch.get_num_threads()} thread(s)",
+        f"training the vision tower alone {settings.tower_steps} steps of "
+        f"{settings.tower_batch} pictures, then the whole model {settings.steps} steps of "
+        f"{settings.batch_size} samples, on {torch.get_num_threads()} thread(s)",
         flush=True,
     )
     start = time.monotonic()

@@ -24,6 +24,7 @@ from models.demo.train import (
     TrainSettings,
     evaluate,
     forward_loss,
+    token_labels,
     train,
 )
 from models.qwen2_vl.config import load_arch_config
@@ -97,6 +98,41 @@ def test_altered_scenes_differ_in_one_thing():
         assert abs(len(other.shapes) - len(scene.shapes)) <= 1
 
 
+def test_draw_says_where_each_shape_is():
+    for seed in range(20):
+        sample = scenes.sample(seed)
+        for data, placed, scene in zip(sample.images, sample.placed, sample.scenes, strict=True):
+            image = Image.open(io.BytesIO(data))
+            assert tuple(p.shape for p in placed) == scene.shapes
+            for p in placed:
+                assert 0.09 <= p.radius <= 0.14
+                # Every kind covers its centre: the pixel there has the shape's colour.
+                x, y = int(p.x * image.width), int(p.y * image.height)
+                got = image.getpixel((x, y))
+                want = scenes.COLOURS[p.shape.colour]
+                assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 40, (seed, p)
+
+
+def test_token_labels_mark_the_tokens_each_drawn_shape_covers():
+    scene = scenes.Scene.parse("red circle left, blue star top, green cross right")
+    _, placed = scenes.draw(scene, 7, (308, 308))
+    grid = (1, 22, 22)  # 308 / 14 patches a side, 11 merged tokens
+    labels = token_labels(placed, grid, 2).view(11, 11, 3)
+    for p in placed:
+        row, col = int(p.y * 11), int(p.x * 11)
+        shape = p.shape
+        assert labels[row, col].tolist() == [
+            1 + list(scenes.COLOURS).index(shape.colour),
+            1 + scenes.KINDS.index(shape.kind),
+            1 + list(scenes.PLACES).index(shape.place),
+        ]
+    # Away from every shape: background. Each shape covers a few tokens, not many.
+    assert labels[10, 0].tolist() == [0, 0, 0] and labels[5, 5].tolist() == [0, 0, 0]
+    for p in placed:
+        covered = labels[..., 1] == 1 + scenes.KINDS.index(p.shape.kind)
+        assert 1 <= int(covered.sum()) <= 16
+
+
 def test_cli_scene_writes_the_picture_it_names(tmp_path, capsys):
     out = tmp_path / "scene.png"
     assert epd_main(["scene", str(out), "--shapes", "red circle, blue square"]) == 0
@@ -146,13 +182,19 @@ def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
         num_kv_heads=1, mrope_section=(2, 3, 3), vision_depth=1, vision_hidden=32,
         vision_heads=1, vision_intermediate=32, fullatt_block_indexes=(0,),
     )  # fmt: skip
+    settings = TrainSettings(
+        steps=6, batch_size=4, warmup=1, lr=1e-2, tower_steps=4, tower_batch=4,
+        drawn_labels=True, aux_background_weight=0.3, shape=small,
+    )  # fmt: skip
     losses = []
     out = train(
         tmp_path / "m",
-        TrainSettings(steps=6, batch_size=4, warmup=1, lr=1e-2, shape=small),
+        settings,
         progress=lambda step, steps, loss, acc: losses.append(loss),
     )
-    assert len(losses) == 6 and losses[-1] < losses[0]
+    # The tower's pre-training steps, then the joint ones: each phase lowers its loss.
+    assert len(losses) == 10
+    assert losses[3] < losses[0] and losses[-1] < losses[4]
     family = load_family(out)
     assert family.architecture == "Qwen2_5_VLForConditionalGeneration"
     assert family.dtype == torch.bfloat16

@@ -155,9 +155,27 @@ def altered(scene: Scene, rng: random.Random) -> Scene:
 # -- drawing -----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Placed:
+    """Where a shape was drawn: its centre and radius as fractions of the picture's width,
+    height and shorter side."""
+
+    shape: Shape
+    x: float
+    y: float
+    radius: float
+
+
 def render(scene: Scene, seed: int, size: tuple[int, int] | None = None) -> Image.Image:
     """The scene drawn at `size` (width, height; random when None), background, shape sizes
     and positions jittered by `seed`."""
+    return draw(scene, seed, size)[0]
+
+
+def draw(
+    scene: Scene, seed: int, size: tuple[int, int] | None = None
+) -> tuple[Image.Image, tuple[Placed, ...]]:
+    """`render`, and where each shape was drawn."""
     rng = random.Random(seed)
     if size is None:
         # Any resolution from 72 to 360 pixels a side, aspect ratios 1:2 to 2:1.
@@ -168,17 +186,19 @@ def render(scene: Scene, seed: int, size: tuple[int, int] | None = None) -> Imag
     # Small pictures are drawn at twice the size, then downsampled, for smooth edges.
     scale = 2 if min(width, height) < 160 else 1
     image = _background(rng, (scale * width, scale * height))
-    draw = ImageDraw.Draw(image)
+    pen = ImageDraw.Draw(image)
     unit = scale * min(width, height)
+    placed = []
     for shape in scene.shapes:
         fx, fy = PLACES[shape.place]
-        cx = (fx + rng.uniform(-0.04, 0.04)) * scale * width
-        cy = (fy + rng.uniform(-0.04, 0.04)) * scale * height
-        radius = rng.uniform(0.09, 0.14) * unit
-        _draw_shape(draw, shape.kind, COLOURS[shape.colour], cx, cy, radius)
-    if scale == 1:
-        return image
-    return image.resize((width, height), Image.Resampling.BOX)
+        x, y = fx + rng.uniform(-0.04, 0.04), fy + rng.uniform(-0.04, 0.04)
+        radius = rng.uniform(0.09, 0.14)
+        _draw_shape(pen, shape.kind, COLOURS[shape.colour], x * scale * width,
+                    y * scale * height, radius * unit)  # fmt: skip
+        placed.append(Placed(shape, x, y, radius))
+    if scale != 1:
+        image = image.resize((width, height), Image.Resampling.BOX)
+    return image, tuple(placed)
 
 
 def png(image: Image.Image) -> bytes:
@@ -263,6 +283,7 @@ class Sample:
     answer: str
     images: tuple[bytes, ...]  # PNG
     scenes: tuple[Scene, ...]
+    placed: tuple[tuple[Placed, ...], ...] = ()  # per image, where its shapes were drawn
 
 
 # How often each kind of question is asked, in training and in the held-out set.
@@ -283,33 +304,32 @@ def sample(seed: int, kind: QuestionKind | None = None) -> Sample:
     kinds = list(QUESTION_WEIGHTS)
     kind = kind or rng.choices(kinds, [QUESTION_WEIGHTS[k] for k in kinds])[0]
     scene = random_scene(rng)
-    image = png(render(scene, rng.getrandbits(32)))
+    picture, placed = draw(scene, rng.getrandbits(32))
+    image = png(picture)
+    one = ((image,), (scene,), (placed,))
     if kind == "describe":
-        return Sample(kind, rng.choice(DESCRIBE), scene.describe(), (image,), (scene,))
+        return Sample(kind, rng.choice(DESCRIBE), scene.describe(), *one)
     shape = rng.choice(scene.shapes)
     if kind == "colour":
-        question = f"What colour is the {shape.kind}?"
-        return Sample(kind, question, shape.colour, (image,), (scene,))
+        return Sample(kind, f"What colour is the {shape.kind}?", shape.colour, *one)
     if kind == "count":
-        question = "How many shapes are there?"
-        return Sample(kind, question, NUMBERS[len(scene.shapes)], (image,), (scene,))
+        return Sample(kind, "How many shapes are there?", NUMBERS[len(scene.shapes)], *one)
     if kind == "where":
-        question = f"Where is the {shape.name}?"
-        return Sample(kind, question, WHERE[shape.place], (image,), (scene,))
+        return Sample(kind, f"Where is the {shape.name}?", WHERE[shape.place], *one)
     if kind == "which":
-        question = f"Which shape is {shape.colour}?"
-        return Sample(kind, question, f"the {shape.kind}", (image,), (scene,))
+        return Sample(kind, f"Which shape is {shape.colour}?", f"the {shape.kind}", *one)
     # Two pictures: the same scene drawn twice, or a scene that differs in one thing; or a
     # question about one of them.
     same = rng.random() < 0.5
     other = scene if same else altered(scene, rng)
-    second = png(render(other, rng.getrandbits(32)))
+    picture, placed2 = draw(other, rng.getrandbits(32))
+    two = ((image, png(picture)), (scene, other), (placed, placed2))
     if rng.random() < 0.5:
         question = "Do these two pictures show the same scene?"
-        return Sample(kind, question, "yes" if same else "no", (image, second), (scene, other))
+        return Sample(kind, question, "yes" if same else "no", *two)
     which = rng.randrange(2)
     question = f"What is in the {ORDINALS[which]} picture?"
-    return Sample(kind, question, (scene, other)[which].describe(), (image, second), (scene, other))
+    return Sample(kind, question, (scene, other)[which].describe(), *two)
 
 
 def answer_corpus() -> list[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -56,8 +57,9 @@ from models.tokenizer import Tokenizer, expand_placeholders
 
 ARCH = "qwen2_5_vl"
 # The auxiliary loss (training only; its head is not saved): per vision token, the colour and
-# kind of the shape there. A token belongs to a shape within AUX_REACH (a fraction of the
-# picture's side) of the shape's place.
+# kind of the shape there. With place labels (the shipped model's) a token belongs to a shape
+# within AUX_REACH (a fraction of the picture's side) of the shape's nominal place; with drawn
+# labels, to a shape whose drawn disc (widened by half a token) holds the token's centre.
 AUX_WEIGHT = 0.5
 AUX_REACH = 0.08
 # The same on the LM's last hidden state at each vision token, with the shape's place too: the
@@ -65,6 +67,7 @@ AUX_REACH = 0.08
 # position), the LM can (M-RoPE gives vision tokens their row and column).
 LM_AUX_WEIGHT = 0.5
 TRAIN_SEED_BASE = 1_000_000  # training samples; the held-out set is seeds 0 .. 499
+TOWER_SEED_BASE = 50_000_000  # the tower's pre-training pictures
 
 # The built-in model's sizes: ~0.9M parameters. Pictures are scaled to 32-64 merged tokens
 # (e.g. 224x224 pixels; smaller ones are scaled up), so that a shape spans a few 14-pixel
@@ -102,6 +105,15 @@ class TrainSettings:
     aux_weight: float = AUX_WEIGHT  # the tower's auxiliary loss (colour and kind per token)
     lm_aux_weight: float = LM_AUX_WEIGHT  # the LM's (colour, kind and place per vision token)
     min_lr: float = 0.05  # the cosine schedule's floor, a fraction of lr
+    # Auxiliary labels from where each shape was drawn (scenes.Placed) instead of its nominal
+    # place, and the weight of the background class in the tower's auxiliary loss.
+    drawn_labels: bool = False
+    aux_background_weight: float = 1.0
+    # First the tower alone learns the auxiliary task (no LM: a fraction of a joint step's
+    # cost), on tower_batch pictures a step at tower_lr; it uses drawn labels.
+    tower_steps: int = 0
+    tower_batch: int = 16
+    tower_lr: float = 5e-3
     shape: Shape = field(default=DEMO_SHAPE)
 
 
@@ -237,17 +249,19 @@ class Encoder:
         ]
         return Example(ids, len(ids), media, spans)
 
-    def example(self, sample: scenes.Sample) -> Example:
+    def example(self, sample: scenes.Sample, drawn_labels: bool = False) -> Example:
         example = self.prompt(sample)
         example.token_ids += [*self.tokenizer.encode(sample.answer), self.end]
-        for scene, m in zip(sample.scenes, example.media, strict=True):
-            example.token_labels.append(token_labels(scene, m.grid.grid_thw, 2))
+        for scene, placed, m in zip(sample.scenes, sample.placed, example.media, strict=True):
+            grid = m.grid.grid_thw
+            labels = token_labels(placed, grid, 2) if drawn_labels else place_labels(scene, grid, 2)
+            example.token_labels.append(labels)
         return example
 
 
-def token_labels(scene: scenes.Scene, grid_thw: tuple[int, int, int], merge: int) -> torch.Tensor:
+def place_labels(scene: scenes.Scene, grid_thw: tuple[int, int, int], merge: int) -> torch.Tensor:
     """[tokens, 3]: (colour, kind, place) of the shape at each merged token, 0 for background.
-    A shape covers the tokens within AUX_REACH of its place (its jitter and some of its size)."""
+    A shape covers the tokens within AUX_REACH of its nominal place (not where it was drawn)."""
     _, h, w = grid_thw
     rows, cols = h // merge, w // merge
     labels = torch.zeros(rows, cols, 3, dtype=torch.long)
@@ -261,6 +275,60 @@ def token_labels(scene: scenes.Scene, grid_thw: tuple[int, int, int], merge: int
     return labels.view(-1, 3)
 
 
+def token_labels(
+    placed: Sequence[scenes.Placed], grid_thw: tuple[int, int, int], merge: int
+) -> torch.Tensor:
+    """[tokens, 3]: (colour, kind, place) of the shape at each merged token, 0 for background.
+    A shape covers the tokens whose centre lies within its drawn radius plus half a token (the
+    nearest shape's, where two reach)."""
+    _, h, w = grid_thw
+    rows, cols = h // merge, w // merge
+    short = min(h, w)
+    # Token centres in units of the picture's shorter side.
+    y = (torch.arange(rows, dtype=torch.float32) + 0.5) / rows * (h / short)
+    x = (torch.arange(cols, dtype=torch.float32) + 0.5) / cols * (w / short)
+    reach = 0.5 * merge / short
+    labels = torch.zeros(rows * cols, 3, dtype=torch.long)
+    best = torch.full((rows * cols,), float("inf"))
+    for p in placed:
+        d = ((y[:, None] - p.y * h / short) ** 2 + (x[None, :] - p.x * w / short) ** 2).sqrt()
+        d = d.reshape(-1)
+        mine = (d < p.radius + reach) & (d < best)
+        best = torch.where(mine, d, best)
+        shape = p.shape
+        labels[mine] = torch.tensor(
+            [
+                1 + list(scenes.COLOURS).index(shape.colour),
+                1 + scenes.KINDS.index(shape.kind),
+                1 + list(scenes.PLACES).index(shape.place),
+            ]
+        )
+    return labels
+
+
+def tower_aux_loss(
+    aux_head: torch.nn.Module,
+    embeds: torch.Tensor,
+    labels: torch.Tensor,
+    background_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The colour and kind cross-entropy of the tower's tokens ([tokens, width], labels
+    [tokens, 3]), the background class weighted by `background_weight` (most tokens are
+    background); and the share of the tokens on a shape whose kind is right."""
+    colour, kind = aux_head(embeds).split([len(scenes.COLOURS) + 1, len(scenes.KINDS) + 1], -1)
+    weights: list[torch.Tensor | None] = [None, None]
+    if background_weight != 1.0:
+        weights = [torch.ones(n + 1) for n in (len(scenes.COLOURS), len(scenes.KINDS))]
+        for w in weights:
+            w[0] = background_weight
+    loss = F.cross_entropy(colour, labels[:, 0], weight=weights[0]) + F.cross_entropy(
+        kind, labels[:, 1], weight=weights[1]
+    )
+    on = labels[:, 1] > 0
+    right = (kind[on, 1:].argmax(-1) + 1 == labels[on, 1]).float().mean()
+    return loss, right
+
+
 def forward_loss(
     tower: VisionTower,
     lm: Qwen2LanguageModel,
@@ -270,6 +338,7 @@ def forward_loss(
     lm_aux_head: torch.nn.Module | None = None,
     aux_weight: float = AUX_WEIGHT,
     lm_aux_weight: float = 0.0,
+    aux_background_weight: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy of the answers' tokens (plus, with `aux_head` / `lm_aux_head`, the
     auxiliary losses), and how many answers were all right."""
@@ -281,11 +350,9 @@ def forward_loss(
     if aux_head is not None and labels is not None:
         # The vision tokens alone say what shape of what colour each covers: a direct signal
         # for the tower from the first step, while the LM still answers from priors.
-        colour, kind = aux_head(torch.cat(embeds)).split(
-            [len(scenes.COLOURS) + 1, len(scenes.KINDS) + 1], -1
-        )
-        aux = aux_weight * (
-            F.cross_entropy(colour, labels[:, 0]) + F.cross_entropy(kind, labels[:, 1])
+        aux = (
+            aux_weight
+            * tower_aux_loss(aux_head, torch.cat(embeds), labels, aux_background_weight)[0]
         )
     ids = torch.tensor([t for e in batch for t in e.token_ids])
     is_mm = torch.zeros(len(ids), dtype=torch.bool)
@@ -347,6 +414,9 @@ def train(
     )
     _init(tower)
     _init(lm)
+    encoder = Encoder(out)
+    if settings.tower_steps:
+        pretrain_tower(tower, aux_head, encoder, settings, progress)
     heads = [aux_head] + ([lm_aux_head] if settings.lm_aux_weight else [])
     params = [p for m in (tower, lm, *heads) for p in m.parameters()]
     decay = [p for p in params if p.dim() >= 2]
@@ -367,7 +437,6 @@ def train(
         return settings.min_lr + (1 - settings.min_lr) * 0.5 * (1 + math.cos(math.pi * t))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
-    encoder = Encoder(out)
     merge = arch.vision.spatial_merge_size
     tower.train()
     lm.train()
@@ -375,11 +444,13 @@ def train(
     def batch_of(step: int) -> list[Example]:
         first = TRAIN_SEED_BASE + step * settings.batch_size
         return [
-            encoder.example(scenes.sample(s)) for s in range(first, first + settings.batch_size)
+            encoder.example(scenes.sample(s), settings.drawn_labels)
+            for s in range(first, first + settings.batch_size)
         ]
 
     # The next batch is drawn (Pillow, the processor) on a thread while this one trains: both
     # release the GIL for most of their work. Batches depend only on their step number.
+    total = settings.tower_steps + settings.steps
     with ThreadPoolExecutor(1) as pool:
         upcoming = pool.submit(batch_of, 0)
         for step in range(settings.steps):
@@ -390,11 +461,71 @@ def train(
                 tower, lm, heads, settings, optimizer, schedule, params, batch, merge
             )
             if progress:
-                progress(step + 1, settings.steps, loss, right / len(batch))
+                progress(settings.tower_steps + step + 1, total, loss, right / len(batch))
             if save_every and (step + 1) % save_every == 0:
                 save_weights(out, tower, lm)
     save_weights(out, tower, lm)
     return out
+
+
+def pretrain_tower(
+    tower: VisionTower,
+    aux_head: torch.nn.Module,
+    encoder: Encoder,
+    settings: TrainSettings,
+    progress: Callable[[int, int, float, float], None] | None = None,
+) -> None:
+    """The tower (and the auxiliary head) alone on pictures: the colour and kind of the shape
+    at each vision token. `progress` gets the share of shape tokens whose kind is right."""
+    params = [p for m in (tower, aux_head) for p in m.parameters()]
+    optimizer = torch.optim.AdamW(
+        params, lr=settings.tower_lr, betas=(0.9, 0.98), weight_decay=0.01
+    )
+    steps, warmup = settings.tower_steps, max(1, settings.tower_steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, steps - warmup)
+        return settings.min_lr + (1 - settings.min_lr) * 0.5 * (1 + math.cos(math.pi * t))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    merge = tower.config.spatial_merge_size
+
+    def batch_of(step: int) -> list[tuple[ProcessedMedia, torch.Tensor]]:
+        out = []
+        for i in range(settings.tower_batch):
+            rng = random.Random(TOWER_SEED_BASE + step * settings.tower_batch + i)
+            picture, placed = scenes.draw(scenes.random_scene(rng), rng.getrandbits(32))
+            media = encoder.processor.process_image(scenes.png(picture))
+            out.append((media, token_labels(placed, media.grid.grid_thw, merge)))
+        return out
+
+    tower.train()
+    total = steps + settings.steps
+    with ThreadPoolExecutor(1) as pool:
+        upcoming = pool.submit(batch_of, 0)
+        for step in range(steps):
+            batch = upcoming.result()
+            if step + 1 < steps:
+                upcoming = pool.submit(batch_of, step + 1)
+            media = [m for m, _ in batch]
+            embeds = tower(
+                torch.cat([m.pixel_values for m in media]), [m.grid.grid_thw for m in media]
+            )
+            loss, right = tower_aux_loss(
+                aux_head,
+                torch.cat(embeds),
+                torch.cat([labels for _, labels in batch]),
+                settings.aux_background_weight,
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+            if progress:
+                progress(step + 1, total, loss.item(), float(right))
 
 
 def _step(
@@ -402,7 +533,15 @@ def _step(
 ) -> tuple[float, int]:
     lm_aux_head = heads[1] if len(heads) > 1 else None
     loss, right = forward_loss(
-        tower, lm, batch, merge, heads[0], lm_aux_head, settings.aux_weight, settings.lm_aux_weight
+        tower,
+        lm,
+        batch,
+        merge,
+        heads[0],
+        lm_aux_head,
+        settings.aux_weight,
+        settings.lm_aux_weight,
+        settings.aux_background_weight,
     )
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
