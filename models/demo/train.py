@@ -24,7 +24,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -430,13 +430,7 @@ def train(
         betas=(0.9, 0.98),
     )
 
-    def lr_at(step: int) -> float:
-        if step < settings.warmup:
-            return (step + 1) / settings.warmup
-        t = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
-        return settings.min_lr + (1 - settings.min_lr) * 0.5 * (1 + math.cos(math.pi * t))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    schedule = _warmup_cosine(optimizer, settings.steps, settings.warmup, settings.min_lr)
     merge = arch.vision.spatial_merge_size
     tower.train()
     lm.train()
@@ -448,22 +442,25 @@ def train(
             for s in range(first, first + settings.batch_size)
         ]
 
-    # The next batch is drawn (Pillow, the processor) on a thread while this one trains: both
-    # release the GIL for most of their work. Batches depend only on their step number.
     total = settings.tower_steps + settings.steps
-    with ThreadPoolExecutor(1) as pool:
-        upcoming = pool.submit(batch_of, 0)
-        for step in range(settings.steps):
-            batch = upcoming.result()
-            if step + 1 < settings.steps:
-                upcoming = pool.submit(batch_of, step + 1)
-            loss, right = _step(
-                tower, lm, heads, settings, optimizer, schedule, params, batch, merge
-            )
-            if progress:
-                progress(settings.tower_steps + step + 1, total, loss, right / len(batch))
-            if save_every and (step + 1) % save_every == 0:
-                save_weights(out, tower, lm)
+    for step, batch in enumerate(_prefetched(batch_of, settings.steps)):
+        lm_aux_head = heads[1] if len(heads) > 1 else None
+        loss, right = forward_loss(
+            tower,
+            lm,
+            batch,
+            merge,
+            heads[0],
+            lm_aux_head,
+            settings.aux_weight,
+            settings.lm_aux_weight,
+            settings.aux_background_weight,
+        )
+        _update(loss, optimizer, schedule, params)
+        if progress:
+            progress(settings.tower_steps + step + 1, total, loss.item(), int(right) / len(batch))
+        if save_every and (step + 1) % save_every == 0:
+            save_weights(out, tower, lm)
     save_weights(out, tower, lm)
     return out
 
@@ -481,15 +478,8 @@ def pretrain_tower(
     optimizer = torch.optim.AdamW(
         params, lr=settings.tower_lr, betas=(0.9, 0.98), weight_decay=0.01
     )
-    steps, warmup = settings.tower_steps, max(1, settings.tower_steps // 20)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        t = (step - warmup) / max(1, steps - warmup)
-        return settings.min_lr + (1 - settings.min_lr) * 0.5 * (1 + math.cos(math.pi * t))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    steps = settings.tower_steps
+    schedule = _warmup_cosine(optimizer, steps, max(1, steps // 20), settings.min_lr)
     merge = tower.config.spatial_merge_size
 
     def batch_of(step: int) -> list[tuple[ProcessedMedia, torch.Tensor]]:
@@ -503,52 +493,58 @@ def pretrain_tower(
 
     tower.train()
     total = steps + settings.steps
+    for step, batch in enumerate(_prefetched(batch_of, steps)):
+        media = [m for m, _ in batch]
+        embeds = tower(torch.cat([m.pixel_values for m in media]), [m.grid.grid_thw for m in media])
+        loss, right = tower_aux_loss(
+            aux_head,
+            torch.cat(embeds),
+            torch.cat([labels for _, labels in batch]),
+            settings.aux_background_weight,
+        )
+        _update(loss, optimizer, schedule, params)
+        if progress:
+            progress(step + 1, total, loss.item(), float(right))
+
+
+def _prefetched(batch_of: Callable[[int], Any], steps: int) -> Iterator[Any]:
+    """batch_of(0 .. steps - 1), each next batch drawn (Pillow, the processor) on a thread
+    while the caller trains on this one: both release the GIL for most of their work. Batches
+    depend only on their step number."""
     with ThreadPoolExecutor(1) as pool:
         upcoming = pool.submit(batch_of, 0)
         for step in range(steps):
             batch = upcoming.result()
             if step + 1 < steps:
                 upcoming = pool.submit(batch_of, step + 1)
-            media = [m for m, _ in batch]
-            embeds = tower(
-                torch.cat([m.pixel_values for m in media]), [m.grid.grid_thw for m in media]
-            )
-            loss, right = tower_aux_loss(
-                aux_head,
-                torch.cat(embeds),
-                torch.cat([labels for _, labels in batch]),
-                settings.aux_background_weight,
-            )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            schedule.step()
-            if progress:
-                progress(step + 1, total, loss.item(), float(right))
+            yield batch
 
 
-def _step(
-    tower, lm, heads, settings, optimizer, schedule, params, batch, merge
-) -> tuple[float, int]:
-    lm_aux_head = heads[1] if len(heads) > 1 else None
-    loss, right = forward_loss(
-        tower,
-        lm,
-        batch,
-        merge,
-        heads[0],
-        lm_aux_head,
-        settings.aux_weight,
-        settings.lm_aux_weight,
-        settings.aux_background_weight,
-    )
+def _warmup_cosine(
+    optimizer: torch.optim.Optimizer, steps: int, warmup: int, min_lr: float
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over `warmup` steps, then a cosine down to `min_lr` (of the base lr)."""
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, steps - warmup)
+        return min_lr + (1 - min_lr) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+
+
+def _update(
+    loss: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    params: list[torch.nn.Parameter],
+) -> None:
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     optimizer.step()
     schedule.step()
-    return loss.item(), int(right)
 
 
 def _init(module: torch.nn.Module) -> None:
