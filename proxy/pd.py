@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from proto import epd_pb2
 from proxy.affinity import Affinity, PromptChains
-from proxy.workers import Worker, WorkerPool
+from proxy.workers import Worker, WorkerPool, least_loaded
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -40,11 +40,7 @@ class PDRouter:
         self.affinity = affinity or Affinity(0, 0)
 
     def _usable(self, role: str, exclude: set[str]) -> list[Worker]:
-        return [
-            w
-            for w in self.lms.workers.values()
-            if w.usable() and w.address not in exclude and role_of(w) == role
-        ]
+        return [w for w in self.lms.usable(exclude) if role_of(w) == role]
 
     def split(self) -> bool:
         """Both roles are up."""
@@ -75,7 +71,7 @@ class PDRouter:
         if prefer is not None and prefer in workers:
             return prefer
         if stage == PREFILL:
-            baseline = min(workers, key=lambda w: (w.queued_tokens(), w.address), default=None)
+            baseline = least_loaded(workers)
         else:
             baseline = min(
                 workers,
@@ -86,8 +82,8 @@ class PDRouter:
 
     def pick_any(self, exclude: set[str], chains: PromptChains | None = None) -> Worker | None:
         """A whole request (no split): any role, least queued tokens, with affinity."""
-        workers = [w for w in self.lms.workers.values() if w.usable() and w.address not in exclude]
-        return self.affinity.choose(workers, self.lms.pick(exclude), chains)
+        workers = self.lms.usable(exclude)
+        return self.affinity.choose(workers, least_loaded(workers), chains)
 
     def record(self, worker: Worker, chains: PromptChains | None) -> None:
         """A call on `worker` completed: it holds the prompt's blocks now."""
@@ -128,9 +124,8 @@ REALTIME_ROLES = ("both", DECODE, PREFILL)
 def realtime_pick(lms: WorkerPool, exclude: set[str]) -> Worker | None:
     """The LM worker for a realtime session: the first role of REALTIME_ROLES with a usable
     worker, least queued tokens among them."""
-    workers = [w for w in lms.workers.values() if w.usable() and w.address not in exclude]
     return min(
-        workers,
+        lms.usable(exclude),
         key=lambda w: (REALTIME_ROLES.index(role_of(w)), w.queued_tokens(), w.address),
         default=None,
     )

@@ -198,9 +198,13 @@ class WorkerPool:
 
     # -- choosing -----------------------------------------------------------------------------
 
+    def usable(self, exclude: set[str] = frozenset()) -> list[Worker]:
+        """The workers that may take work now, less those in `exclude` (addresses)."""
+        return [w for w in self.workers.values() if w.usable() and w.address not in exclude]
+
     def pick(self, exclude: set[str] = frozenset()) -> Worker | None:
         """The usable worker with the least queued work (none: None)."""
-        return least_loaded(w for w in self.workers.values() if w.address not in exclude)
+        return least_loaded(self.usable(exclude))
 
     def failed(self, worker: Worker, error: str) -> None:
         worker.breaker.failure()

@@ -20,7 +20,7 @@ from proto import epd_pb2
 from proxy.affinity import Affinity, PrefixIndex, PromptChains
 from proxy.pd import PDRouter
 from proxy.prepare import ChatMessage, Part, RequestBuilder
-from proxy.workers import Breaker, Worker
+from proxy.workers import Breaker, Worker, WorkerPool
 from tests.cluster_helpers import Cluster, image_bytes
 
 BLOCK = 8
@@ -82,15 +82,11 @@ def lm(address: str, queued: int = 0, role: str = "both", block_size: int = BLOC
     return w
 
 
-class Pool:
-    """What PDRouter reads of a WorkerPool: its workers and its least-loaded pick."""
-
-    def __init__(self, *workers: Worker):
-        self.workers = {w.address: w for w in workers}
-
-    def pick(self, exclude=frozenset()):
-        usable = [w for w in self.workers.values() if w.address not in exclude]
-        return min(usable, key=lambda w: (w.queued_tokens(), w.address), default=None)
+def pool_of(*workers: Worker) -> WorkerPool:
+    """A real WorkerPool holding these workers (no registry, no polling)."""
+    pool = WorkerPool("lm", None, (), None)
+    pool.workers.update((w.address, w) for w in workers)
+    return pool
 
 
 PROMPT = list(range(100, 356))  # 32 blocks
@@ -100,7 +96,7 @@ CHAINS = PromptChains(PROMPT, [])
 def test_the_holder_wins_within_the_margin_and_load_wins_past_it():
     a, b = lm("a:1"), lm("b:1", queued=100)
     affinity = Affinity(max_blocks=1000, margin_tokens=200)
-    router = PDRouter(Pool(a, b), affinity)
+    router = PDRouter(pool_of(a, b), affinity)
     assert router.pick_any(set(), CHAINS) is a  # nobody holds it: least loaded
     affinity.record(b, CHAINS)
     assert router.pick_any(set(), CHAINS) is b  # b holds it, 100 tokens busier: within 200
@@ -120,7 +116,7 @@ def test_a_short_prefix_is_worth_no_more_queue_than_it_saves():
     prefill: the holder is taken while it is at most 24 tokens busier."""
     a, b = lm("a:1"), lm("b:1", queued=20)
     affinity = Affinity(max_blocks=1000, margin_tokens=2048)
-    router = PDRouter(Pool(a, b), affinity)
+    router = PDRouter(pool_of(a, b), affinity)
     affinity.record(b, PromptChains(PROMPT[:24], []))
     assert router.pick_any(set(), CHAINS) is b
     b.set_load(epd_pb2.LMLoad(running_tokens=30, role="both", prefix_block_size=BLOCK))
@@ -132,14 +128,14 @@ def test_a_worker_without_a_prefix_cache_is_never_preferred():
     affinity = Affinity(max_blocks=1000, margin_tokens=200)
     affinity.record(b, CHAINS)  # nothing recorded: b reports no block size
     assert affinity.held_tokens(b, CHAINS) == 0
-    assert PDRouter(Pool(a, b), affinity).pick_any(set(), CHAINS) is a
+    assert PDRouter(pool_of(a, b), affinity).pick_any(set(), CHAINS) is a
 
 
 def test_affinity_applies_to_each_stage_of_the_split():
     p0, p1 = lm("p0:1", role="prefill"), lm("p1:1", queued=50, role="prefill")
     d0, d1 = lm("d0:1", role="decode"), lm("d1:1", queued=50, role="decode")
     affinity = Affinity(max_blocks=1000, margin_tokens=100)
-    router = PDRouter(Pool(p0, p1, d0, d1), affinity)
+    router = PDRouter(pool_of(p0, p1, d0, d1), affinity)
     assert router.pick("prefill", set(), chains=CHAINS) is p0
     assert router.pick("decode", set(), chains=CHAINS) is d0
     affinity.record(p1, CHAINS)
@@ -151,7 +147,7 @@ def test_affinity_applies_to_each_stage_of_the_split():
     d1.load.kv_address = "127.0.0.1:1"
     assert router.cap(msg, CHAINS) is d1 and msg.kv_target == "127.0.0.1:1"
     # Off: the plain rule alone.
-    plain = PDRouter(Pool(p0, p1, d0, d1), Affinity(0, 100))
+    plain = PDRouter(pool_of(p0, p1, d0, d1), Affinity(0, 100))
     plain.record(p1, CHAINS)
     assert plain.pick("prefill", set(), chains=CHAINS) is p0
 
