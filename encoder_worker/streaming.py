@@ -107,6 +107,10 @@ class StreamEncoder:
         session = start.session_id
         published = 0
         try:
+            # Accepted: the client holds its audio back until this answer. A refusal above
+            # thus reaches it before it writes again (gRPC Python reports a server's status
+            # that races a client write as INTERNAL, hiding RESOURCE_EXHAUSTED).
+            yield epd_pb2.EncodeStreamResponse(num_published=0, audio_seconds=0.0)
             async for msg in requests:
                 kind = msg.WhichOneof("event")
                 if kind == "audio":

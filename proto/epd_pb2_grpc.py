@@ -292,6 +292,8 @@ class EncoderServicer:
     def EncodeStream(self, request_iterator, context):
         """One realtime session's audio: the first message is `start`, then audio chunks, then
         `input_done`. Per-position embeddings are published in order to the session's stream.
+        The first response (num_published 0) accepts the session: a client sends audio only
+        after it, so a refusal (RESOURCE_EXHAUSTED when the worker is full) never races a write.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -299,9 +299,11 @@ class RealtimeSession:
 
     # -- the encoder side ---------------------------------------------------------------------
 
-    async def _requests(self) -> AsyncIterator[epd_pb2.EncodeStreamRequest]:
-        """One EncodeStream call's messages: start, the whole audio so far, then each chunk
-        as it comes, then input_done once committed."""
+    async def _requests(
+        self, accepted: asyncio.Event
+    ) -> AsyncIterator[epd_pb2.EncodeStreamRequest]:
+        """One EncodeStream call's messages: start; once the encoder accepts the session,
+        the whole audio so far, then each chunk as it comes, then input_done once committed."""
         yield epd_pb2.EncodeStreamRequest(
             start=epd_pb2.EncodeStreamStart(
                 session_id=self.id,
@@ -309,6 +311,7 @@ class RealtimeSession:
                 sample_rate=self.service.sample_rate,
             )
         )
+        await accepted.wait()
         i = 0
         while True:
             while i < len(self.chunks):
@@ -341,8 +344,10 @@ class RealtimeSession:
                     worker.address,
                 )
             self.encoder = worker
+            accepted = asyncio.Event()
             try:
-                async for response in worker.stub.EncodeStream(self._requests()):
+                async for response in worker.stub.EncodeStream(self._requests(accepted)):
+                    accepted.set()
                     if response.done:
                         pool.succeeded(worker)
                         return
@@ -351,6 +356,8 @@ class RealtimeSession:
                 last = self._worker_failed(e, pool, worker, tried, "encoder")
                 if last is None:
                     return
+            finally:
+                accepted.set()  # a refused call's writer ends (its next write sees the end)
 
     def _worker_failed(
         self, e: grpc.aio.AioRpcError, pool: WorkerPool, worker: Worker, tried: set[str], what: str
