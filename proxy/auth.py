@@ -6,6 +6,9 @@ APIs are open and every caller is the anonymous principal.
 
     HTTP   Authorization: Bearer KEY  (or Basic with KEY as the password: what a browser
            sends for /dashboard after its login prompt)          -> 401 otherwise
+    WS     /v1/realtime also takes the key as an offered subprotocol
+           `openai-insecure-api-key.KEY` (a browser's WebSocket cannot set headers; the
+           server selects the `realtime` subprotocol, never the key's)
     gRPC   metadata  authorization: Bearer KEY                   -> UNAUTHENTICATED otherwise
 
 /health is always open; /metrics and /dashboard are open only when proxy.metrics_public /
@@ -129,6 +132,20 @@ class KeyRing:
         return self.check(None)
 
 
+# The subprotocol prefix that carries an API key on a browser's WebSocket (the OpenAI
+# realtime API's convention: the page offers ["realtime", PREFIX + key]).
+WS_KEY_PROTOCOL = "openai-insecure-api-key."
+
+
+def websocket_key(request: web.Request) -> str | None:
+    """The API key offered as a WebSocket subprotocol, if any."""
+    offered = request.headers.get("Sec-WebSocket-Protocol", "")
+    for protocol in (p.strip() for p in offered.split(",")):
+        if protocol.startswith(WS_KEY_PROTOCOL):
+            return protocol[len(WS_KEY_PROTOCOL) :]
+    return None
+
+
 def http_middleware(keys: KeyRing, proxy: ProxyConfig) -> Callable:
     """The aiohttp middleware that admits a request or answers 401 (OpenAI error shape);
     the admitted request carries its Principal as request["principal"]."""
@@ -150,7 +167,11 @@ def http_middleware(keys: KeyRing, proxy: ProxyConfig) -> Callable:
             request["principal"] = ANONYMOUS
             return await handler(request)
         try:
-            request["principal"] = keys.from_authorization(request.headers.get("Authorization"))
+            header = request.headers.get("Authorization")
+            if header is None and request.path == "/v1/realtime":
+                request["principal"] = keys.check(websocket_key(request))
+            else:
+                request["principal"] = keys.from_authorization(header)
         except Unauthenticated as e:
             challenge = 'Bearer realm="epd"'
             if request.path.startswith("/dashboard"):  # a browser prompts for Basic

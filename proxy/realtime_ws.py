@@ -32,7 +32,9 @@ from proxy.realtime import RealtimeService, RealtimeSession, SessionError, Setti
 
 
 async def realtime_websocket(request: web.Request, service: RealtimeService) -> web.StreamResponse:
-    ws = web.WebSocketResponse(max_msg_size=16 * 1024 * 1024)
+    # `realtime` is selected when offered: a browser that offered subprotocols (its API key
+    # rides on one, proxy/auth.py) fails a handshake that selects none.
+    ws = web.WebSocketResponse(max_msg_size=16 * 1024 * 1024, protocols=("realtime",))
     await ws.prepare(request)
     session_id = f"sess-{uuid.uuid4().hex}"
     try:

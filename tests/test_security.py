@@ -655,11 +655,14 @@ def test_epd_up_keeps_secrets_out_of_argv_and_files(tmp_path, tiny_checkpoint):
         cluster.proc.wait(60)
 
 
-async def _realtime_first_event(secure, key: str | None) -> dict:
+async def _realtime_first_event(secure, key: str | None, as_browser: bool = False) -> dict:
+    """The first event of a realtime socket; a browser's key rides on a subprotocol."""
     context = ssl.create_default_context(cafile=str(secure.ca.pem.cert))
-    headers = {"Authorization": f"Bearer {key}"} if key else None
+    headers = {"Authorization": f"Bearer {key}"} if key and not as_browser else None
+    protocols = ["realtime", f"openai-insecure-api-key.{key}"] if as_browser else None
     url = f"wss://localhost:{secure.http_port}/v1/realtime"
-    async with connect(url, ssl=context, additional_headers=headers) as ws:
+    async with connect(url, ssl=context, additional_headers=headers, subprotocols=protocols) as ws:
+        assert ws.subprotocol == ("realtime" if as_browser else None)  # never the key's
         return json.loads(await ws.recv())
 
 
@@ -669,7 +672,12 @@ def test_realtime_websocket_needs_a_key(secure):
             asyncio.run(_realtime_first_event(secure, key))
         assert refused.value.response.status_code == 401
         assert words in refused.value.response.body.decode()
+    # A browser offers its key as a subprotocol: a wrong one is refused the same way.
+    with pytest.raises(InvalidStatus) as refused:
+        asyncio.run(_realtime_first_event(secure, "not-a-key", as_browser=True))
+    assert refused.value.response.status_code == 401
     # With a key the socket opens (this image model then refuses realtime audio itself).
-    event = asyncio.run(_realtime_first_event(secure, KEY_B))
-    assert event["type"] == "error" and event["code"] == "failed_precondition", event
-    assert "does not take realtime audio" in event["error"]
+    for as_browser in (False, True):
+        event = asyncio.run(_realtime_first_event(secure, KEY_B, as_browser))
+        assert event["type"] == "error" and event["code"] == "failed_precondition", event
+        assert "does not take realtime audio" in event["error"]
