@@ -36,7 +36,7 @@ from common.process import free_port
 from common.served_model import ensure_bench_model
 from common.server import GRPC_OPTIONS
 from connector.embedded import EmbeddedRedis
-from connector.kv import KVStore, encode_block, peek_hash
+from connector.kv import KVStore, encode_block, peek_key
 from connector.kv_stream import KVInbox, KVReceiver, KVSender
 from epd.launcher import LocalCluster
 from lm_worker.attention import PagedAttention
@@ -234,7 +234,7 @@ def raw_rates(block_bytes: int, total_bytes: int) -> dict[str, float]:
         out["redis_get_gbps"] = moved / (time.perf_counter() - started) / 1e9
         store.close()
     inbox = KVInbox(moved * 2)
-    receiver = KVReceiver("127.0.0.1", 0, inbox, peek_hash)
+    receiver = KVReceiver("127.0.0.1", 0, inbox, peek_key)
     sender = KVSender()
     try:
         address = f"127.0.0.1:{receiver.port}"
