@@ -89,6 +89,11 @@ class KVInbox:
                     out.append(None)
             return out
 
+    def clear(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+            self.nbytes = 0
+
     def __len__(self) -> int:
         return len(self._blocks)
 
