@@ -233,6 +233,8 @@ def test_bench_pd(tiny_checkpoint):
         "1",
         "--handover-tokens",
         "64",
+        "--rounds",
+        "2",
     )
     assert summary["bench"] == "pd"
     rows = {row["topology"]: row for row in summary["results"]}

@@ -11,6 +11,10 @@ an `epd up` cluster (embedded Redis, one encoder, the proxy):
     pd-steps   pd on the direct path with lm.kv_send_layerwise off: each step's blocks go
                after its forward, not layer by layer during it (`--kv-connector direct`)
 
+Every topology's cluster is up for the whole run; `--rounds` runs the load on each in turn,
+the order reversed every other round (fresh prompts and images each round), and pools the
+samples: neither side is always the first after start-up.
+
 Per topology: the short streams' inter-token latency and time to first token, the long
 prompts' time to first token, at p50 / p99; for pd, the KV bytes moved and the rate of the
 cluster's own transfers (bytes sent / seconds spent sending). Beside them, the raw rates of the
@@ -97,7 +101,9 @@ async def _one(stub, msg) -> tuple[float, list[float]]:
     return (first or time.perf_counter()) - started, gaps
 
 
-async def _workload(address: str, args) -> dict:
+async def _workload(address: str, args, round_: int = 0) -> dict:
+    """One run of the mixed load; its raw samples (seconds). Prompts and images are new in
+    each round (no prefix or embedding cache hit carries over)."""
     channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
     stub = epd_pb2_grpc.InferenceStub(channel)
     await _one(stub, _request("warm up", 2, _png(64, 1 << 20)))  # start-up costs out of the figures
@@ -108,7 +114,7 @@ async def _workload(address: str, args) -> dict:
         n = 0
         while not done.is_set():
             ttft, gaps = await _one(
-                stub, _request(f"Stream {i} turn {n}: go on", args.short_tokens)
+                stub, _request(f"Round {round_} stream {i} turn {n}: go on", args.short_tokens)
             )
             short_ttft.append(ttft)
             short_itl.extend(gaps)
@@ -117,9 +123,11 @@ async def _workload(address: str, args) -> dict:
     async def longs() -> None:
         pending = []
         for j in range(args.long_requests):
-            image = _png(args.image_size, j)
-            msg = _request(f"Long prompt {j}: describe every detail", args.long_tokens, image)
-            pending.append(asyncio.ensure_future(_one(stub, msg)))
+            image = _png(args.image_size, round_ * 1000 + j)
+            text = f"Round {round_} long prompt {j}: describe every detail"
+            pending.append(
+                asyncio.ensure_future(_one(stub, _request(text, args.long_tokens, image)))
+            )
             await asyncio.sleep(args.interval)
         for ttft, _ in await asyncio.gather(*pending):
             long_ttft.append(ttft)
@@ -130,11 +138,20 @@ async def _workload(address: str, args) -> dict:
     wall = time.perf_counter() - started
     await channel.close()
     return {
-        "wall_s": round(wall, 2),
-        "short_requests": len(short_ttft),
-        "short_itl_ms": _pct(short_itl),
-        "short_ttft_ms": _pct(short_ttft),
-        "long_ttft_ms": _pct(long_ttft),
+        "wall_s": wall,
+        "short_ttft": short_ttft,
+        "short_itl": short_itl,
+        "long_ttft": long_ttft,
+    }
+
+
+def _summarize(samples: dict) -> dict:
+    return {
+        "wall_s": round(samples["wall_s"], 2),
+        "short_requests": len(samples["short_ttft"]),
+        "short_itl_ms": _pct(samples["short_itl"]),
+        "short_ttft_ms": _pct(samples["short_ttft"]),
+        "long_ttft_ms": _pct(samples["long_ttft"]),
     }
 
 
@@ -175,7 +192,7 @@ def _wait_roles(http_port: int, want: list[str], timeout: float = 60) -> None:
     raise SystemExit(f"the proxy did not see LM roles {want} within {timeout:.0f}s")
 
 
-def run_topology(topology: str, model_dir: Path, args) -> dict:
+def _start(topology: str, model_dir: Path, args) -> LocalCluster:
     http_port = args.http_port or free_port()
     overrides = {
         "model.path": str(model_dir),
@@ -198,17 +215,45 @@ def run_topology(topology: str, model_dir: Path, args) -> dict:
     cluster.start()
     try:
         _wait_roles(http_port, roles)
-        row = {"topology": topology, **asyncio.run(_workload(cluster.proxy.address, args))}
-        loads = _lm_loads(cluster)
-        sent = sum(x.kv_bytes_sent for x in loads)
-        seconds = sum(x.kv_send_seconds for x in loads)
-        row["kv_bytes_sent"] = sent
-        row["kv_blocks_pulled"] = sum(x.kv_blocks_pulled for x in loads)
-        row["kv_transfer_gbps"] = round(sent / seconds / 1e9, 3) if seconds else None
-    finally:
+    except BaseException:
         cluster.stop()
-    print(_line(row), flush=True)
-    return row
+        raise
+    return cluster
+
+
+def run_topologies(topologies: list[str], model_dir: Path, args) -> list[dict]:
+    """Every topology's cluster up, then `args.rounds` rounds of the load on each in turn
+    (the order reversed every other round), samples pooled per topology."""
+    if args.rounds > 1 and (args.grpc_port or args.http_port):
+        raise SystemExit("--rounds > 1 keeps every cluster up: leave the ports to be chosen")
+    clusters: dict[str, LocalCluster] = {}
+    samples = {
+        t: {"wall_s": 0.0, "short_ttft": [], "short_itl": [], "long_ttft": []} for t in topologies
+    }
+    rows = []
+    try:
+        for topology in topologies:
+            clusters[topology] = _start(topology, model_dir, args)
+        for round_ in range(args.rounds):
+            order = topologies if round_ % 2 == 0 else list(reversed(topologies))
+            for topology in order:
+                got = asyncio.run(_workload(clusters[topology].proxy.address, args, round_))
+                for key, value in got.items():
+                    samples[topology][key] += value
+        for topology in topologies:
+            row = {"topology": topology, **_summarize(samples[topology])}
+            loads = _lm_loads(clusters[topology])
+            sent = sum(x.kv_bytes_sent for x in loads)
+            seconds = sum(x.kv_send_seconds for x in loads)
+            row["kv_bytes_sent"] = sent
+            row["kv_blocks_pulled"] = sum(x.kv_blocks_pulled for x in loads)
+            row["kv_transfer_gbps"] = round(sent / seconds / 1e9, 3) if seconds else None
+            print(_line(row), flush=True)
+            rows.append(row)
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+    return rows
 
 
 def _line(row: dict) -> str:
@@ -409,7 +454,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if "pd-steps" in topologies and args.kv_connector != "direct":
         raise SystemExit("pd-steps compares layer-by-layer sends: it needs --kv-connector direct")
-    rows = [run_topology(t, model_dir, args) for t in topologies]
+    rows = run_topologies(topologies, model_dir, args)
     probe = None
     if args.handover_rounds:
         probe = handover_probe(model_dir, args)
@@ -427,6 +472,7 @@ def run(args: argparse.Namespace) -> int:
         "streams": args.streams,
         "long_requests": args.long_requests,
         "image_size": args.image_size,
+        "rounds": args.rounds,
         "block_bytes": block_bytes,
         "results": rows,
         "raw": rates,
@@ -469,6 +515,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--kv-connector", default="shared", choices=("shared", "direct"), help="pd's KV path"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of the load per topology, all clusters kept up, order alternated",
     )
     p.add_argument("--raw-mb", type=int, default=64, help="MiB moved by each raw-rate probe")
     p.add_argument(
