@@ -341,14 +341,16 @@ class LMEngine:
     def execute(self, batch: ScheduledBatch) -> None:
         """Run one scheduled batch: inputs, embeddings, forward, sample, outputs."""
         inputs = self.runner.prepare_inputs(batch)
-        save_layer = None
+        cache = self.runner.attention.kv_cache
         if self.kv is not None:  # blocks a remote holds, into the cache before they are read
-            cache = self.runner.attention.kv_cache
             self.kv.load_kv(cache)
-            # Blocks this step completes that go out layer by layer, as the forward writes them.
-            if self.kv.start_save(batch.requests, batch.num_scheduled_tokens, cache):
-                save_layer = self.kv.save_kv_layer
         mm_embeds, is_mm_embed = self.runner.gather_mm_embeddings(inputs)
+        save_layer = None
+        # Blocks this step completes that go out layer by layer, as the forward writes them.
+        if self.kv is not None and self.kv.start_save(
+            batch.requests, batch.num_scheduled_tokens, cache
+        ):
+            save_layer = self.kv.save_kv_layer
         try:
             logits = self.runner.forward(inputs, mm_embeds, is_mm_embed, save_layer)
         except BaseException:

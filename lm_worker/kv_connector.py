@@ -126,7 +126,8 @@ class KVMetrics:
         )
         self.seconds = Histogram(
             "epd_lm_kv_transfer_seconds",
-            "One KV transfer (a step's saves, a request's fetch)",
+            "One KV transfer: a step's saves or sends (the writer's seconds on them; layer by "
+            "layer they run beside the forward), a request's fetch, a load",
             ["op"],
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             **kw,
@@ -504,6 +505,7 @@ class SharedKVConnector(KVConnector):
     def _finish_step(self, step: _Step) -> None:
         """Writer thread: each group's acknowledgement; a group whose send failed is sent
         again whole (a new connection), then its full blocks go to Redis."""
+        failed: KVStoreError | None = None
         for group in step.groups:
             started = time.monotonic()
             n = len(group.hashes)
@@ -534,12 +536,16 @@ class SharedKVConnector(KVConnector):
             try:
                 nbytes = self.store.put_many(values)
             except KVStoreError as e:
+                # Not in the tier either: the decode worker recomputes them.
                 logger.warning("KV save of %d blocks failed: %s", len(values), e)
-                raise
+                failed = failed or e
+                continue
             self.metrics.bytes.labels("sent").inc(nbytes)
             self.metrics.blocks.labels("saved").inc(len(values))
             self.metrics.observe("save", time.monotonic() - started)
         self.metrics.observe("send", step.busy)
+        if failed is not None:
+            raise failed
 
     def save_kv(self, requests: list[Request], kv_cache: torch.Tensor) -> None:
         """Send the blocks this step completed: full blocks, and a handover's tail once its
