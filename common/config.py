@@ -484,6 +484,9 @@ class LMConfig:
     # worker reports it to the proxy), and the bytes its inbox holds (oldest dropped first).
     kv_port: int = 0
     kv_inbox_bytes: ByteSize = _256_MIB
+    # direct: send a handover's blocks layer by layer as the prefill computes them, overlapped
+    # with the layers still to run (off: each step's blocks, all layers, after its forward).
+    kv_send_layerwise: bool = True
     # Lifetime of a KV block in the tier (the memory bound is Redis's maxmemory, as for the
     # embeddings).
     kv_ttl_seconds: int = 600

@@ -13,7 +13,9 @@ policy, like the EC entries). A miss is a normal outcome (TTL, eviction, a flush
 LM worker recomputes. A value that fails its checks is deleted, counted and reported as a miss,
 never used.
 
-One value per block, all layers, as a fixed 128-byte header + raw bytes (never pickle):
+One value per block, all layers, as a fixed 128-byte header + raw bytes (never pickle). The
+direct path (connector/kv_stream.py) may carry a block as several values, one per layer range
+(`first layer`, `number of layers`), each with its own checksum:
 
     offset size  field
     0      4     magic b"EPDK"
@@ -72,6 +74,14 @@ def encode_block(
     block_hash: bytes, tensor: torch.Tensor, num_tokens: int, first_layer: int = 0
 ) -> bytes:
     """Header + payload of one block's KV (a CPU tensor whose first dimension is the layers)."""
+    return b"".join(encode_block_parts(block_hash, tensor, num_tokens, first_layer))
+
+
+def encode_block_parts(
+    block_hash: bytes, tensor: torch.Tensor, num_tokens: int, first_layer: int = 0
+) -> tuple[bytes, memoryview]:
+    """`encode_block` as (header, payload view) not joined: a socket writes both without a
+    copy. The view holds the (contiguous) tensor's memory: do not write into it meanwhile."""
     if len(block_hash) != HASH_BYTES:
         raise ValueError(f"a block hash is {HASH_BYTES} bytes, got {len(block_hash)}")
     payload, shape = payload_of(tensor)
@@ -88,7 +98,7 @@ def encode_block(
         xxhash.xxh3_64_intdigest(payload),
         block_hash,
     )
-    return b"".join(((fixed + shape).ljust(HEADER_BYTES, b"\0"), payload))
+    return (fixed + shape).ljust(HEADER_BYTES, b"\0"), payload
 
 
 def decode_block(value: bytes) -> KVBlock:
@@ -115,6 +125,16 @@ def peek_hash(value: bytes) -> bytes:
     if len(value) < HEADER_BYTES or value[:4] != MAGIC:
         raise ValueError("not a KV value")
     return bytes(value[32 : 32 + HASH_BYTES])
+
+
+def peek_key(value: bytes) -> tuple[bytes, int, int]:
+    """(block hash, first layer, number of layers) from a value's header (ValueError when it
+    has none): where a receiver files a block, or one layer range of it, before the value is
+    checked by `decode_block` when used."""
+    if len(value) < HEADER_BYTES or value[:4] != MAGIC:
+        raise ValueError("not a KV value")
+    first, layers = struct.unpack_from("<HH", value, 8)
+    return bytes(value[32 : 32 + HASH_BYTES]), first, layers
 
 
 class KVStore:
@@ -182,4 +202,13 @@ class KVStoreError(RuntimeError):
     """Redis could not do what was asked; the message names the (redacted) URL and the cause."""
 
 
-__all__ = ["KVBlock", "KVStore", "KVStoreError", "decode_block", "encode_block", "peek_hash"]
+__all__ = [
+    "KVBlock",
+    "KVStore",
+    "KVStoreError",
+    "decode_block",
+    "encode_block",
+    "encode_block_parts",
+    "peek_hash",
+    "peek_key",
+]

@@ -12,6 +12,7 @@ over its cached prefix plus itself, causally.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,9 @@ class PagedAttention:
         self.kv_cache: torch.Tensor | None = None  # allocated once the model is loaded
         # Decode on a GPU: the Triton kernel (set by `allocate`; None: the torch path).
         self.decode_kernel = None
+        # Called with (layer, that layer's cache) once a layer's new K / V are written, in
+        # eager forwards that set it (the KV connector sends them while later layers run).
+        self.on_layer_written: Callable[[int, torch.Tensor], None] | None = None
 
     def allocate(
         self,
@@ -78,6 +82,8 @@ class PagedAttention:
         num_kv_heads, head_dim = k.shape[1:]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        if self.on_layer_written is not None:
+            self.on_layer_written(layer_idx, layer_kv)
 
         parts = []
         num_decodes = meta.num_decodes

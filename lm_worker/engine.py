@@ -341,10 +341,24 @@ class LMEngine:
     def execute(self, batch: ScheduledBatch) -> None:
         """Run one scheduled batch: inputs, embeddings, forward, sample, outputs."""
         inputs = self.runner.prepare_inputs(batch)
+        cache = self.runner.attention.kv_cache
         if self.kv is not None:  # blocks a remote holds, into the cache before they are read
-            self.kv.load_kv(self.runner.attention.kv_cache)
+            self.kv.load_kv(cache)
         mm_embeds, is_mm_embed = self.runner.gather_mm_embeddings(inputs)
-        logits = self.runner.forward(inputs, mm_embeds, is_mm_embed)
+        save_layer = None
+        # Blocks this step completes that go out layer by layer, as the forward writes them.
+        if self.kv is not None and self.kv.start_save(
+            batch.requests, batch.num_scheduled_tokens, cache
+        ):
+            save_layer = self.kv.save_kv_layer
+        try:
+            logits = self.runner.forward(inputs, mm_embeds, is_mm_embed, save_layer)
+        except BaseException:
+            if save_layer is not None:
+                self.kv.abort_save()
+            raise
+        if save_layer is not None:
+            self.kv.wait_for_save()
         sampled = self.sampler(logits, inputs.sampling_requests)
         outputs = self.postprocess(batch, inputs, sampled)
         self.stream_out(outputs)

@@ -91,7 +91,14 @@ def build_engine(
         block_shape = (text.num_layers, 2, lm.block_size, text.num_kv_heads, text.head_dim)
         sender, inbox = kv_direct or (None, None)
         kv = SharedKVConnector(
-            kv_store, lm.block_size, block_shape, dtype, registry, sender=sender, inbox=inbox
+            kv_store,
+            lm.block_size,
+            block_shape,
+            dtype,
+            registry,
+            sender=sender,
+            inbox=inbox,
+            layerwise=lm.kv_send_layerwise,
         )
     return LMEngine(
         runner,

@@ -306,8 +306,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, inputs: InputBatch, mm_embeds: list[torch.Tensor], is_mm_embed: torch.Tensor
+        self,
+        inputs: InputBatch,
+        mm_embeds: list[torch.Tensor],
+        is_mm_embed: torch.Tensor,
+        save_layer: Callable[[int, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:  # [num_sampling, vocab]
+        """`save_layer(layer, layer_kv)`: called in an eager forward as each layer's KV is in
+        the cache (the KV connector's per-layer save; a graph replay calls nothing)."""
         b = self.buffers
         T, padded = inputs.num_tokens, inputs.num_tokens_padded
         embeds = self.model.embed_input_ids(
@@ -319,13 +325,17 @@ class ModelRunner:
         if inputs.use_graph:
             hidden = self.graphs.replay(padded)
         else:
-            hidden = self.model(
-                b.input_ids[:padded] if self.requires_raw_input_tokens else None,
-                b.positions_view(padded),
-                b.inputs_embeds[:padded],
-                inputs.attn_metadata,
-                intermediate_tensors=None,
-            )
+            self.attention.on_layer_written = save_layer
+            try:
+                hidden = self.model(
+                    b.input_ids[:padded] if self.requires_raw_input_tokens else None,
+                    b.positions_view(padded),
+                    b.inputs_embeds[:padded],
+                    inputs.attn_metadata,
+                    intermediate_tensors=None,
+                )
+            finally:
+                self.attention.on_layer_written = None
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     @torch.inference_mode()

@@ -27,7 +27,7 @@ from common.served_model import resolve_model
 from common.server import RoleServer, Service, run_worker
 from common.tls import cluster_server_credentials
 from connector import AsyncECConnector, ConnectorError, wait_until_reachable
-from connector.kv import KVStore, peek_hash
+from connector.kv import KVStore, peek_key
 from connector.kv_stream import KVInbox, KVReceiver, KVSender
 from connector.registry import Heartbeat
 from connector.streams import SessionStreams
@@ -256,7 +256,7 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         if c.lm.kv_tier == "direct":
             inbox = KVInbox(c.lm.kv_inbox_bytes)
             host = parse_address(c.lm.listen, "listen")[0]
-            self.kv_receiver = KVReceiver(host, c.lm.kv_port, inbox, peek_hash)
+            self.kv_receiver = KVReceiver(host, c.lm.kv_port, inbox, peek_key)
             advertised = parse_address(c.lm.address, "advertise")[0]
             if ":" in advertised:
                 advertised = f"[{advertised}]"

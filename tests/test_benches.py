@@ -216,7 +216,9 @@ def test_bench_pd(tiny_checkpoint):
         "--model",
         str(tiny_checkpoint),
         "--topology",
-        "pd",
+        "pd,pd-steps",
+        "--kv-connector",
+        "direct",
         "--streams",
         "2",
         "--long-requests",
@@ -227,14 +229,29 @@ def test_bench_pd(tiny_checkpoint):
         "112",
         "--raw-mb",
         "4",
+        "--handover-rounds",
+        "1",
+        "--handover-tokens",
+        "64",
+        "--rounds",
+        "2",
     )
     assert summary["bench"] == "pd"
-    (row,) = summary["results"]
-    assert row["topology"] == "pd" and row["short_requests"] > 0
-    assert row["long_ttft_ms"]["p99"] >= row["long_ttft_ms"]["p50"] > 0
-    # Every long prompt was handed over: its blocks went to the tier and were pulled.
-    assert row["kv_bytes_sent"] > 0 and row["kv_blocks_pulled"] > 0
+    rows = {row["topology"]: row for row in summary["results"]}
+    assert set(rows) == {"pd", "pd-steps"}
+    for row in rows.values():
+        assert row["short_requests"] > 0
+        assert row["long_ttft_ms"]["p99"] >= row["long_ttft_ms"]["p50"] > 0
+        # Every long prompt was handed over: its blocks went to the tier and were pulled.
+        assert row["kv_bytes_sent"] > 0 and row["kv_blocks_pulled"] > 0
+    assert summary["layerwise_vs_steps"]["long_ttft_ms_p50"] > 0
     assert all(v > 0 for v in summary["raw"].values())
+    # The handover probe: both sides sent the same prompts' KV, and timed it.
+    probe = summary["handover"]
+    for side in ("layerwise", "steps"):
+        assert probe[side]["handover_ms"]["p50"] > 0
+        assert probe[side]["kv_bytes_sent"] > 0 and probe[side]["kv_send_gbps"] > 0
+    assert probe["layerwise_vs_steps"]["p50"] > 0
 
 
 def test_bench_realtime():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.kv import HEADER_BYTES, KVStore, decode_block, encode_block, peek_hash
+from connector.kv import HEADER_BYTES, KVStore, decode_block, encode_block, peek_key
 from connector.kv_stream import KVInbox, KVReceiver, KVSender
 from connector.wire import WireError
 from lm_worker.block_manager import extend_block_hashes
@@ -198,7 +198,7 @@ def test_direct_path_hands_over_without_redis(tiny_checkpoint, redis_server, cas
     # The prefill engine sends a handover's blocks over a kept connection to the decode
     # engine's receiver; nothing of the prompt goes through Redis.
     inbox = KVInbox(64 << 20)
-    receiver = KVReceiver("127.0.0.1", 0, inbox, peek_hash)
+    receiver = KVReceiver("127.0.0.1", 0, inbox, peek_key)
     sender = KVSender()
     try:
         prefill = shared_engine(tiny_checkpoint, redis_server.url, kv_direct=(sender, None))
@@ -224,7 +224,7 @@ def test_direct_path_hands_over_without_redis(tiny_checkpoint, redis_server, cas
 
 
 def test_direct_send_to_a_dead_peer_falls_back_to_redis(tiny_checkpoint, redis_server, cases):
-    receiver = KVReceiver("127.0.0.1", 0, KVInbox(1 << 20), peek_hash)
+    receiver = KVReceiver("127.0.0.1", 0, KVInbox(1 << 20), peek_key)
     target = f"127.0.0.1:{receiver.port}"
     receiver.close()  # nobody listens there now
     prefill = shared_engine(tiny_checkpoint, redis_server.url, kv_direct=(KVSender(1.0), None))

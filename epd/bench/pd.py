@@ -8,12 +8,27 @@ an `epd up` cluster (embedded Redis, one encoder, the proxy):
     both   two LM workers doing prefill and decode (lm.role both)
     pd     one prefill worker and one decode worker (the KV tier: `--kv-connector`)
 
+    pd-steps   pd on the direct path with lm.kv_send_layerwise off: each step's blocks go
+               after its forward, not layer by layer during it (`--kv-connector direct`)
+
+Every topology's cluster is up for the whole run; `--rounds` runs the load on each in turn,
+the order reversed every other round (fresh prompts and images each round), and pools the
+samples: neither side is always the first after start-up.
+
 Per topology: the short streams' inter-token latency and time to first token, the long
 prompts' time to first token, at p50 / p99; for pd, the KV bytes moved and the rate of the
 cluster's own transfers (bytes sent / seconds spent sending). Beside them, the raw rates of the
 paths a block can take, measured here on values of the model's block size: Redis SET and GET
 (the shared tier), the direct path's socket (length-prefixed frames, acknowledged batches) and
-a gRPC client stream of the same bytes. The last line is one JSON object.
+a gRPC client stream of the same bytes.
+
+The handover probe (`--handover-rounds`, on the direct path) isolates what sending layer by
+layer buys: in one process, a prefill engine hands long text prompts over to a KV receiver on
+loopback, with lm.kv_send_layerwise on and off (two engines, the same model and cores),
+alternating request by request. Per side: the handover time (request in -> its first token
+sampled and every block of it acknowledged by the receiver: what a prefill worker waits for
+before the first token goes to the client), the part of it after the forward (the transfer not
+hidden behind compute) and the transfer rate. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -31,19 +46,22 @@ import numpy as np
 import torch
 from PIL import Image
 
-from common.config import load_config
+from common.config import LMConfig, load_config
 from common.process import free_port
 from common.served_model import ensure_bench_model
 from common.server import GRPC_OPTIONS
 from connector.embedded import EmbeddedRedis
-from connector.kv import KVStore, encode_block, peek_hash
+from connector.kv import KVStore, encode_block, peek_key
 from connector.kv_stream import KVInbox, KVReceiver, KVSender
 from epd.launcher import LocalCluster
 from lm_worker.attention import PagedAttention
-from models import load_family
+from lm_worker.loader import build_engine
+from lm_worker.request import Request
+from lm_worker.server import kv_counters
+from models import SamplingParams, load_family
 from proto import epd_pb2, epd_pb2_grpc
 
-TOPOLOGIES = ("both", "pd")
+TOPOLOGIES = ("both", "pd", "pd-steps")
 
 
 def _png(size: int, seed: int) -> bytes:
@@ -83,7 +101,9 @@ async def _one(stub, msg) -> tuple[float, list[float]]:
     return (first or time.perf_counter()) - started, gaps
 
 
-async def _workload(address: str, args) -> dict:
+async def _workload(address: str, args, round_: int = 0) -> dict:
+    """One run of the mixed load; its raw samples (seconds). Prompts and images are new in
+    each round (no prefix or embedding cache hit carries over)."""
     channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
     stub = epd_pb2_grpc.InferenceStub(channel)
     await _one(stub, _request("warm up", 2, _png(64, 1 << 20)))  # start-up costs out of the figures
@@ -94,7 +114,7 @@ async def _workload(address: str, args) -> dict:
         n = 0
         while not done.is_set():
             ttft, gaps = await _one(
-                stub, _request(f"Stream {i} turn {n}: go on", args.short_tokens)
+                stub, _request(f"Round {round_} stream {i} turn {n}: go on", args.short_tokens)
             )
             short_ttft.append(ttft)
             short_itl.extend(gaps)
@@ -103,9 +123,11 @@ async def _workload(address: str, args) -> dict:
     async def longs() -> None:
         pending = []
         for j in range(args.long_requests):
-            image = _png(args.image_size, j)
-            msg = _request(f"Long prompt {j}: describe every detail", args.long_tokens, image)
-            pending.append(asyncio.ensure_future(_one(stub, msg)))
+            image = _png(args.image_size, round_ * 1000 + j)
+            text = f"Round {round_} long prompt {j}: describe every detail"
+            pending.append(
+                asyncio.ensure_future(_one(stub, _request(text, args.long_tokens, image)))
+            )
             await asyncio.sleep(args.interval)
         for ttft, _ in await asyncio.gather(*pending):
             long_ttft.append(ttft)
@@ -116,11 +138,20 @@ async def _workload(address: str, args) -> dict:
     wall = time.perf_counter() - started
     await channel.close()
     return {
-        "wall_s": round(wall, 2),
-        "short_requests": len(short_ttft),
-        "short_itl_ms": _pct(short_itl),
-        "short_ttft_ms": _pct(short_ttft),
-        "long_ttft_ms": _pct(long_ttft),
+        "wall_s": wall,
+        "short_ttft": short_ttft,
+        "short_itl": short_itl,
+        "long_ttft": long_ttft,
+    }
+
+
+def _summarize(samples: dict) -> dict:
+    return {
+        "wall_s": round(samples["wall_s"], 2),
+        "short_requests": len(samples["short_ttft"]),
+        "short_itl_ms": _pct(samples["short_itl"]),
+        "short_ttft_ms": _pct(samples["short_ttft"]),
+        "long_ttft_ms": _pct(samples["long_ttft"]),
     }
 
 
@@ -161,7 +192,7 @@ def _wait_roles(http_port: int, want: list[str], timeout: float = 60) -> None:
     raise SystemExit(f"the proxy did not see LM roles {want} within {timeout:.0f}s")
 
 
-def run_topology(topology: str, model_dir: Path, args) -> dict:
+def _start(topology: str, model_dir: Path, args) -> LocalCluster:
     http_port = args.http_port or free_port()
     overrides = {
         "model.path": str(model_dir),
@@ -169,7 +200,8 @@ def run_topology(topology: str, model_dir: Path, args) -> dict:
         "proxy.http_port": http_port,
         "lm.kv_cache_bytes": 256 << 20,
         "lm.max_num_batched_tokens": args.max_num_batched_tokens,
-        "lm.kv_connector": args.kv_connector if topology == "pd" else "auto",
+        "lm.kv_connector": "auto" if topology == "both" else args.kv_connector,
+        "lm.kv_send_layerwise": topology != "pd-steps",
     }
     config = load_config(None, overrides)
     if topology == "both":
@@ -183,22 +215,50 @@ def run_topology(topology: str, model_dir: Path, args) -> dict:
     cluster.start()
     try:
         _wait_roles(http_port, roles)
-        row = {"topology": topology, **asyncio.run(_workload(cluster.proxy.address, args))}
-        loads = _lm_loads(cluster)
-        sent = sum(x.kv_bytes_sent for x in loads)
-        seconds = sum(x.kv_send_seconds for x in loads)
-        row["kv_bytes_sent"] = sent
-        row["kv_blocks_pulled"] = sum(x.kv_blocks_pulled for x in loads)
-        row["kv_transfer_gbps"] = round(sent / seconds / 1e9, 3) if seconds else None
-    finally:
+    except BaseException:
         cluster.stop()
-    print(_line(row), flush=True)
-    return row
+        raise
+    return cluster
+
+
+def run_topologies(topologies: list[str], model_dir: Path, args) -> list[dict]:
+    """Every topology's cluster up, then `args.rounds` rounds of the load on each in turn
+    (the order reversed every other round), samples pooled per topology."""
+    if args.rounds > 1 and (args.grpc_port or args.http_port):
+        raise SystemExit("--rounds > 1 keeps every cluster up: leave the ports to be chosen")
+    clusters: dict[str, LocalCluster] = {}
+    samples = {
+        t: {"wall_s": 0.0, "short_ttft": [], "short_itl": [], "long_ttft": []} for t in topologies
+    }
+    rows = []
+    try:
+        for topology in topologies:
+            clusters[topology] = _start(topology, model_dir, args)
+        for round_ in range(args.rounds):
+            order = topologies if round_ % 2 == 0 else list(reversed(topologies))
+            for topology in order:
+                got = asyncio.run(_workload(clusters[topology].proxy.address, args, round_))
+                for key, value in got.items():
+                    samples[topology][key] += value
+        for topology in topologies:
+            row = {"topology": topology, **_summarize(samples[topology])}
+            loads = _lm_loads(clusters[topology])
+            sent = sum(x.kv_bytes_sent for x in loads)
+            seconds = sum(x.kv_send_seconds for x in loads)
+            row["kv_bytes_sent"] = sent
+            row["kv_blocks_pulled"] = sum(x.kv_blocks_pulled for x in loads)
+            row["kv_transfer_gbps"] = round(sent / seconds / 1e9, 3) if seconds else None
+            print(_line(row), flush=True)
+            rows.append(row)
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+    return rows
 
 
 def _line(row: dict) -> str:
     s = (
-        f"{row['topology']:<5} short ITL p50/p99 {row['short_itl_ms']['p50']}/"
+        f"{row['topology']:<8} short ITL p50/p99 {row['short_itl_ms']['p50']}/"
         f"{row['short_itl_ms']['p99']} ms  short TTFT p50/p99 {row['short_ttft_ms']['p50']}/"
         f"{row['short_ttft_ms']['p99']} ms  long TTFT p50/p99 {row['long_ttft_ms']['p50']}/"
         f"{row['long_ttft_ms']['p99']} ms  ({row['short_requests']} short requests)"
@@ -206,6 +266,108 @@ def _line(row: dict) -> str:
     if row.get("kv_bytes_sent"):
         s += f"  KV {row['kv_bytes_sent'] / 1e6:.1f} MB at {row['kv_transfer_gbps']} GB/s"
     return s
+
+
+# -- the handover probe: layer by layer vs after each step, one process -----------------------
+
+
+def handover_probe(model_dir: Path, args) -> dict:
+    """Long text prompts handed over from a prefill engine to a KV receiver on loopback, with
+    lm.kv_send_layerwise on and off, alternating request by request (see the module doc)."""
+    family = load_family(model_dir)
+    rng = np.random.default_rng(0)
+    vocab = family.text.vocab_size
+    out: dict[str, dict] = {}
+    with EmbeddedRedis() as server:
+        inbox = KVInbox(1 << 30)
+        receiver = KVReceiver("127.0.0.1", 0, inbox, peek_key)
+        target = f"127.0.0.1:{receiver.port}"
+        engines = {}
+        try:
+            for side, layerwise in (("layerwise", True), ("steps", False)):
+                lm = LMConfig(
+                    block_size=16,
+                    kv_cache_bytes=256 << 20,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    kv_connector="direct",
+                    kv_send_layerwise=layerwise,
+                )
+                store = KVStore(server.url, "bench-pd", namespace=side, ttl_seconds=60)
+                engines[side] = build_engine(
+                    lm,
+                    family,
+                    torch.float32,
+                    registry=None,
+                    kv_store=store,
+                    kv_direct=(KVSender(), None),
+                )
+            times = {side: ([], []) for side in engines}
+            for i in range(-1, args.handover_rounds):  # round -1: warm-up, not counted
+                prompt = rng.integers(100, vocab - 100, args.handover_tokens).tolist()
+                order = list(engines) if i % 2 == 0 else list(reversed(engines))
+                for side in order:
+                    total, after = _handover(engines[side], prompt, f"{side}-{i}", target)
+                    inbox.clear()
+                    if i >= 0:
+                        times[side][0].append(total)
+                        times[side][1].append(after)
+            for side, engine in engines.items():
+                counts = kv_counters(engine.kv)
+                seconds = counts["kv_send_seconds"]
+                out[side] = {
+                    "handover_ms": _pct(times[side][0]),
+                    "after_forward_ms": _pct(times[side][1]),
+                    "kv_bytes_sent": counts["kv_bytes_sent"],
+                    "kv_send_gbps": round(counts["kv_bytes_sent"] / seconds / 1e9, 3)
+                    if seconds
+                    else None,
+                }
+        finally:
+            for engine in engines.values():
+                engine.kv.close()
+            receiver.close()
+    a, b = out["layerwise"]["handover_ms"], out["steps"]["handover_ms"]
+    out["layerwise_vs_steps"] = {
+        q: round(a[q] / b[q], 3) if a[q] and b[q] else None for q in ("p50", "p99")
+    }
+    out["tokens"] = args.handover_tokens
+    out["rounds"] = args.handover_rounds
+    return out
+
+
+def _handover(engine, prompt: list[int], request_id: str, target: str) -> tuple[float, float]:
+    """(request in -> first token and every block acknowledged, first token -> acknowledged)
+    in seconds, for one prefill stage sent to `target`."""
+    request = Request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    started = time.perf_counter()
+    engine.kv.prefetch(request, handover=True, target=target)
+    tokens: list = []
+    engine.add_request(request, tokens.append)
+    engine.run_to_completion()
+    sampled = time.perf_counter()
+    for future in engine.kv.pending_saves(request_id):
+        future.result(timeout=60)
+    done = time.perf_counter()
+    if not tokens:
+        raise RuntimeError(f"{request_id} gave no token")
+    return done - started, done - sampled
+
+
+def _probe_line(probe: dict) -> str:
+    parts = []
+    for side in ("layerwise", "steps"):
+        row = probe[side]
+        parts.append(
+            f"{side} {row['handover_ms']['p50']}/{row['handover_ms']['p99']} ms "
+            f"(after the forward {row['after_forward_ms']['p50']}/"
+            f"{row['after_forward_ms']['p99']} ms, {row['kv_send_gbps']} GB/s)"
+        )
+    ratio = probe["layerwise_vs_steps"]
+    return (
+        f"handover of {probe['tokens']} tokens, p50/p99 over {probe['rounds']} rounds: "
+        + "; ".join(parts)
+        + f"; layerwise / steps {ratio['p50']}x / {ratio['p99']}x"
+    )
 
 
 # -- raw rates of the paths a block can take ---------------------------------------------------
@@ -234,7 +396,7 @@ def raw_rates(block_bytes: int, total_bytes: int) -> dict[str, float]:
         out["redis_get_gbps"] = moved / (time.perf_counter() - started) / 1e9
         store.close()
     inbox = KVInbox(moved * 2)
-    receiver = KVReceiver("127.0.0.1", 0, inbox, peek_hash)
+    receiver = KVReceiver("127.0.0.1", 0, inbox, peek_key)
     sender = KVSender()
     try:
         address = f"127.0.0.1:{receiver.port}"
@@ -280,7 +442,7 @@ def _grpc_rate(values: list[bytes], batch: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    topologies = [t.strip() for t in args.topology.split(",")]
+    topologies = [t.strip() for t in args.topology.split(",") if t.strip()]
     unknown = set(topologies) - set(TOPOLOGIES)
     if unknown:
         raise SystemExit(f"unknown topologies {sorted(unknown)}; choose from {TOPOLOGIES}")
@@ -290,7 +452,13 @@ def run(args: argparse.Namespace) -> int:
     block_bytes = PagedAttention.bytes_per_block(
         text.num_layers, 16, text.num_kv_heads, text.head_dim, torch.float32
     )
-    rows = [run_topology(t, model_dir, args) for t in topologies]
+    if "pd-steps" in topologies and args.kv_connector != "direct":
+        raise SystemExit("pd-steps compares layer-by-layer sends: it needs --kv-connector direct")
+    rows = run_topologies(topologies, model_dir, args)
+    probe = None
+    if args.handover_rounds:
+        probe = handover_probe(model_dir, args)
+        print(_probe_line(probe), flush=True)
     rates = raw_rates(block_bytes, args.raw_mb << 20)
     print(
         f"raw rates, {block_bytes / 1024:.0f} KiB blocks: Redis SET {rates['redis_set_gbps']} "
@@ -304,6 +472,7 @@ def run(args: argparse.Namespace) -> int:
         "streams": args.streams,
         "long_requests": args.long_requests,
         "image_size": args.image_size,
+        "rounds": args.rounds,
         "block_bytes": block_bytes,
         "results": rows,
         "raw": rates,
@@ -316,6 +485,15 @@ def run(args: argparse.Namespace) -> int:
                 a, b = by["pd"][metric][q], by["both"][metric][q]
                 ratio[f"{metric}_{q}"] = round(a / b, 3) if a and b else None
         summary["pd_vs_both"] = ratio
+    if "pd" in by and "pd-steps" in by:
+        ratio = {}
+        for metric in ("short_ttft_ms", "long_ttft_ms", "short_itl_ms"):
+            for q in ("p50", "p99"):
+                a, b = by["pd"][metric][q], by["pd-steps"][metric][q]
+                ratio[f"{metric}_{q}"] = round(a / b, 3) if a and b else None
+        summary["layerwise_vs_steps"] = ratio
+    if probe is not None:
+        summary["handover"] = probe
     print(json.dumps(summary))
     return 0
 
@@ -323,7 +501,9 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pd", help="prefill / decode split vs LM workers doing both")
     p.add_argument("--model", help="checkpoint directory (default: the built-in small model)")
-    p.add_argument("--topology", default="both,pd", help="both,pd (default: both, in turn)")
+    p.add_argument(
+        "--topology", default="both,pd", help="both,pd,pd-steps (default: both,pd, in turn)"
+    )
     p.add_argument("--streams", type=int, default=4, help="steady short decode streams")
     p.add_argument("--short-tokens", type=int, default=32, help="output tokens per short request")
     p.add_argument("--long-requests", type=int, default=6, help="long image prompts")
@@ -336,7 +516,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-connector", default="shared", choices=("shared", "direct"), help="pd's KV path"
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of the load per topology, all clusters kept up, order alternated",
+    )
     p.add_argument("--raw-mb", type=int, default=64, help="MiB moved by each raw-rate probe")
+    p.add_argument(
+        "--handover-rounds",
+        type=int,
+        default=6,
+        help="handover probe rounds, layer by layer vs after each step (0: skip)",
+    )
+    p.add_argument(
+        "--handover-tokens", type=int, default=1024, help="prompt tokens of each handover"
+    )
     p.add_argument("--grpc-port", type=int, help="proxy gRPC port (default: a free one)")
     p.add_argument("--http-port", type=int, help="proxy HTTP port (default: a free one)")
     p.set_defaults(func=run)
