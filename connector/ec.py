@@ -50,6 +50,7 @@ from connector import wire
 from connector.client import Mode, async_client, redact_url, sync_client
 from connector.local_tier import LocalTier
 from connector.metrics import ConnectorMetrics
+from connector.resp import fetch_bulk
 
 logger = logging.getLogger(__name__)
 
@@ -254,11 +255,13 @@ class ECConnector:
     def _spublish(self, pipe, mm_hash: str) -> None:
         pipe.spublish(self.shard_channel(mm_hash), mm_hash)
 
-    def _fetch_mget(self, hashes: list[str]) -> list[bytes | None]:
+    def _fetch_mget(self, hashes: list[str]) -> list[memoryview | None]:
+        """Standalone: one GET (one entry) or MGET, each value received into a buffer of its
+        own (connector/resp.py: no parser copies)."""
         try:
-            if len(hashes) == 1:  # a plain GET: no array reply to build and parse
-                return [self.client.get(self.key(hashes[0]))]
-            return self.client.mget([self.key(h) for h in hashes])
+            if len(hashes) == 1:  # a plain GET: no array reply to parse
+                return fetch_bulk(self.client, "GET", self.key(hashes[0]))
+            return fetch_bulk(self.client, "MGET", *[self.key(h) for h in hashes])
         except redis.RedisError as e:
             raise self._error(e, "get_many") from e
 
@@ -367,7 +370,7 @@ class ECConnector:
         return [h for h in hashes if self.local is None or h not in self.local]
 
     def _decode_values(
-        self, hashes: list[str], values: list[bytes | None]
+        self, hashes: list[str], values: list[bytes | memoryview | None]
     ) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
         """-> (found, misses, keys of corrupt entries to delete). Never raises on bad data."""
         found, misses, corrupt = {}, [], []

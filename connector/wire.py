@@ -12,7 +12,8 @@
     56     8     reserved (0)
     64     ...   the tensor's bytes, C order, little endian
 
-bf16 stays bf16. Decoding is zero-copy: the tensor is a view of the fetched bytes. No pickle.
+bf16 stays bf16. Decoding is zero-copy: the tensor is a view of the fetched value (bytes, or
+the buffer connector/resp.py received it into). No pickle.
 NOTE: xxh3 (about 50 GB/s here) rather than zlib.crc32 (about 4 GB/s): a CRC would cost a
 quarter of a GET's time on a 4 MiB entry.
 """
@@ -60,7 +61,7 @@ def payload_of(tensor: torch.Tensor) -> tuple[memoryview, bytes]:
 
 
 def checked_view(
-    value: bytes,
+    value: bytes | memoryview,
     header_bytes: int,
     shape_at: int,
     code: int,
@@ -111,7 +112,7 @@ def encode(tensor: torch.Tensor) -> bytes:
     return b"".join(((fixed + shape).ljust(HEADER_BYTES, b"\0"), payload))
 
 
-def decode(value: bytes) -> torch.Tensor:
+def decode(value: bytes | memoryview) -> torch.Tensor:
     """The tensor in `value`, viewing its bytes (read-only by contract: never write into it)."""
     if len(value) < HEADER_BYTES:
         raise WireError(

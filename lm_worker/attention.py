@@ -59,6 +59,13 @@ class PagedAttention:
     ) -> None:
         shape = (num_layers, 2, num_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        # Per layer: its [2, ...] slice, and keys / values flattened to slots (views made once,
+        # not four view ops per layer and step).
+        self._layers = [
+            (layer_kv, layer_kv[0].view(-1, num_kv_heads, head_dim),
+             layer_kv[1].view(-1, num_kv_heads, head_dim))
+            for layer_kv in self.kv_cache
+        ]  # fmt: skip
         if device.type == "cuda":
             self.decode_kernel = _triton_decode(self.block_size)
 
@@ -77,11 +84,10 @@ class PagedAttention:
         meta: PagedAttentionMetadata,
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        layer_kv = self.kv_cache[layer_idx]  # [2, num_blocks, block_size, kvh, d]
-        k_cache, v_cache = layer_kv
-        num_kv_heads, head_dim = k.shape[1:]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        # layer_kv [2, num_blocks, block_size, kvh, d]; k_slots / v_slots [slots, kvh, d]
+        layer_kv, k_slots, v_slots = self._layers[layer_idx]
+        k_slots.index_copy_(0, meta.slot_mapping, k)
+        v_slots.index_copy_(0, meta.slot_mapping, v)
         if self.on_layer_written is not None:
             self.on_layer_written(layer_idx, layer_kv)
 
@@ -98,8 +104,8 @@ class PagedAttention:
                     q[start : start + n],
                     k[start : start + n],
                     v[start : start + n],
-                    k_cache,
-                    v_cache,
+                    layer_kv[0],
+                    layer_kv[1],
                     seq_len,
                     table,
                     sliding_window,

@@ -57,8 +57,13 @@ class MKLPackedLinear(nn.Linear):
     weight, which it keeps (inference only)."""
 
     packed_weight: torch.Tensor
+    _op = None  # torch.ops.mkl._mkl_linear.default, set by use_kernel (no overload lookup)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # the LM's [tokens, hidden]: no reshapes around the product
+            if x.shape[0] != 1:
+                return F.linear(x, self.weight, self.bias)
+            return self._op(x.contiguous(), self.packed_weight, self.weight, self.bias, 1)
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] != 1:
             return F.linear(x, self.weight, self.bias)
@@ -110,6 +115,7 @@ def use_kernel(model: nn.Module, kernel: Kernel, keep_dense: bool = False) -> in
         if not keep_dense:
             _drop_unshared_dense_weights(model)
     elif kernel == "mkl":
+        MKLPackedLinear._op = torch.ops.mkl._mkl_linear.default
         for module in layers:
             module.__class__ = MKLPackedLinear
             module.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(

@@ -11,11 +11,13 @@ import pytest
 from common.process import epd_command, free_port
 
 
-def bench(*args: str) -> dict:
+def bench(*args: str, stdout: list[str] | None = None) -> dict:
     result = subprocess.run(
         epd_command("bench", *args), capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
+    if stdout is not None:
+        stdout.append(result.stdout)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -57,6 +59,7 @@ def test_bench_encoder(tiny_checkpoint, redis_server):
 
 
 def test_bench_lm(tiny_checkpoint):
+    printed: list[str] = []
     summary = bench(
         "lm",
         "--model",
@@ -69,7 +72,11 @@ def test_bench_lm(tiny_checkpoint):
         "2",
         "--rounds",
         "1",
+        "--profile",
+        "4",
+        stdout=printed,
     )
+    assert "1 prefill + 3 decode steps" in printed[0] and "Self CPU" in printed[0]
     assert summary["batch1_ours_tps"] > 0 and summary["batch1_hf_tps"] > 0
     assert summary["roofline_tps"] > 0 and summary["streams_vs_hf_batch"] > 0
     assert summary["linear_kernel"] in ("linear", "onednn", "mkl")

@@ -201,8 +201,25 @@ def run(args: argparse.Namespace) -> int:
         f"read at {bandwidth / 1e9:.1f} GB/s); {args.streams} streams: "
         f"{summary['streams_vs_hf_batch']}x HF at batch {args.hf_batch}"
     )
+    if args.profile:
+        print(profile_batch1(ours, args.profile))
     print(json.dumps(summary))
     return 0
+
+
+def profile_batch1(ours: Ours, tokens: int) -> str:
+    """torch.profiler's per-op table (self CPU time, totals over the run) of one batch-1
+    request of `tokens` new tokens: one prefill of the prompt, then `tokens - 1` decode steps.
+    Where a step's time goes once the kernels are chosen."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        seconds = ours.run(1, tokens)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    return (
+        f"profile: 1 request, {tokens} tokens (1 prefill + {tokens - 1} decode steps) in "
+        f"{seconds * 1e3:.1f} ms under the profiler\n{table}"
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -214,4 +231,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians reported")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="also print torch.profiler's per-op table of one batch-1 request of TOKENS tokens",
+    )
     p.set_defaults(func=run)

@@ -15,7 +15,13 @@ from torch import nn
 
 from models.attention import AttentionBackend
 from models.checkpoint import assign_lm_weights, load_tensors, strip_prefixes
-from models.layers import GatedMLP, RMSNorm, apply_rotary, merge_linears
+from models.layers import (
+    GatedMLP,
+    RMSNorm,
+    apply_rotary_tables,
+    merge_linears,
+    rotary_tables,
+)
 from models.qwen2_vl.config import TextConfig
 from models.qwen2_vl.rope import MRotaryEmbedding
 
@@ -51,17 +57,18 @@ class Qwen2Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: Any
     ) -> torch.Tensor:
+        """`cos` / `sin`: the forward's `rotary_tables`."""
         T = x.shape[0]
         if self.qkv_proj is None:
             q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
             k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
             v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_rotary_tables(q, cos, sin), apply_rotary_tables(k, cos, sin)
         else:
             # q and k sit side by side in the merged output: rotated in one pass.
             qkv = self.qkv_proj(x)
             heads = self.num_heads + self.num_kv_heads
-            qk = apply_rotary(
+            qk = apply_rotary_tables(
                 qkv[:, : heads * self.head_dim].view(T, heads, self.head_dim), cos, sin
             )
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
@@ -81,8 +88,13 @@ class Qwen2DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: Any
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if torch.is_grad_enabled():
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # Inference: each residual added in place into the branch's fresh output (x + y and
+        # y + x are the same sums); x itself may be the runner's input buffer.
+        x = self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class Qwen2LanguageModel(nn.Module):
@@ -159,7 +171,7 @@ class Qwen2LanguageModel(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         assert intermediate_tensors is None, "pipeline parallelism is not supported"
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = rotary_tables(*self.rotary(positions, x.dtype))
         for layer in self.layers:
             x = layer(x, cos, sin, attn_metadata)
         return self.norm(x)
