@@ -30,6 +30,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="steps of the vision tower alone first (default: the shipped model's)",
     )  # fmt: skip
     train.add_argument(
+        "--rope-theta", type=float,
+        help="the LM's M-RoPE base (default: the shipped model's, 1e6)",
+    )  # fmt: skip
+    train.add_argument(
         "--threads", type=int, default=1, help="torch threads (default 1: pictures are drawn on "
         "a second thread meanwhile, so one is two cores' worth; on a shared machine one torch "
         "thread is several times faster than two)",
@@ -37,6 +41,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--eval", type=int, default=HELD_OUT, metavar="N",
         help="then measure exact-match accuracy on the first N held-out scenes (0: skip)",
+    )  # fmt: skip
+    train.add_argument(
+        "--eval-every", type=int, default=0, metavar="STEPS",
+        help="also save and evaluate the partial model every STEPS joint steps on the first "
+        "--eval-seeds held-out scenes, printing its accuracy by kind of question (0: never)",
+    )  # fmt: skip
+    train.add_argument(
+        "--eval-seeds", type=int, default=100, metavar="N",
+        help="held-out scenes for --eval-every (default 100)",
     )  # fmt: skip
     train.set_defaults(func=cmd_train_demo)
 
@@ -75,6 +88,8 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, steps=args.steps)
     if args.batch_size:
         settings = dataclasses.replace(settings, batch_size=args.batch_size)
+    if args.rope_theta:
+        settings = dataclasses.replace(settings, rope_theta=args.rope_theta)
     if args.tower_steps is not None:
         settings = dataclasses.replace(settings, tower_steps=args.tower_steps)
     print(
@@ -84,8 +99,21 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
         flush=True,
     )
     start = time.monotonic()
-    train.train(out, settings, train.progress_bar())
-    minutes = (time.monotonic() - start) / 60
+    paused = 0.0  # seconds spent evaluating partial models, not training
+
+    def on_save(step: int) -> None:
+        nonlocal paused
+        began = time.monotonic()
+        minutes = (began - start - paused) / 60
+        accuracy = train.evaluate(out, range(args.eval_seeds))
+        paused += time.monotonic() - began
+        line = {"joint_step": step, "train_minutes": round(minutes, 1)} | accuracy.summary()
+        print(f"\n{json.dumps(line)}", flush=True)
+
+    train.train(
+        out, settings, train.progress_bar(), args.eval_every, on_save if args.eval_every else None
+    )
+    minutes = (time.monotonic() - start - paused) / 60
     print(f"wrote {out} in {minutes:.1f} min", flush=True)
     if args.eval:
         accuracy = train.evaluate(out, range(args.eval))

@@ -176,15 +176,18 @@ def test_tower_forward_is_the_served_numerics_with_gradients(tiny_checkpoint):
     assert tower.patch_embed.proj.weight.grad is not None
 
 
+# A model small enough to train a few steps in a test.
+SMALL = replace(
+    DEMO_SHAPE, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+    num_kv_heads=1, mrope_section=(2, 3, 3), vision_depth=1, vision_hidden=32,
+    vision_heads=1, vision_intermediate=32, fullatt_block_indexes=(0,),
+)  # fmt: skip
+
+
 def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
-    small = replace(
-        DEMO_SHAPE, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-        num_kv_heads=1, mrope_section=(2, 3, 3), vision_depth=1, vision_hidden=32,
-        vision_heads=1, vision_intermediate=32, fullatt_block_indexes=(0,),
-    )  # fmt: skip
     settings = TrainSettings(
         steps=6, batch_size=4, warmup=1, lr=1e-2, tower_steps=4, tower_batch=4,
-        drawn_labels=True, aux_background_weight=0.3, shape=small,
+        drawn_labels=True, aux_background_weight=0.3, shape=SMALL,
     )  # fmt: skip
     losses = []
     out = train(
@@ -206,6 +209,22 @@ def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     text = tokenizer.decode(example.token_ids)
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>")
     assert text.endswith(scenes.sample(0).answer + "<|im_end|>")
+
+
+def test_partial_checkpoints_are_evaluated_without_changing_the_training(tmp_path):
+    settings = TrainSettings(steps=4, batch_size=2, warmup=1, rope_theta=100.0, shape=SMALL)
+    seen = []
+
+    def on_save(step: int) -> None:
+        # The partial checkpoint is on disk and answers through the reference path.
+        seen.append((step, evaluate(tmp_path / "a", range(2)).total))
+
+    a = train(tmp_path / "a", settings, save_every=2, on_save=on_save)
+    b = train(tmp_path / "b", settings)
+    assert seen == [(2, 2)]  # after step 2; step 4 is the end, saved once
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert load_arch_config(a).text.rope_theta == 100.0
+    assert load_arch_config(tmp_path / "b").text.rope_theta == 100.0
 
 
 # -- the shipped model -------------------------------------------------------------------------

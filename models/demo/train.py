@@ -114,6 +114,10 @@ class TrainSettings:
     tower_steps: int = 0
     tower_batch: int = 16
     tower_lr: float = 5e-3
+    # The LM's M-RoPE base. Its rotary pairs go to the sections (time, height, width) in order
+    # of falling frequency; at the usual 1e6 with 16 pairs the width pairs turn by < 0.002 rad
+    # per column, so the LM cannot tell left from right in a picture a dozen tokens wide.
+    rope_theta: float = 1e6
     shape: Shape = field(default=DEMO_SHAPE)
 
 
@@ -144,7 +148,7 @@ def train_tokenizer() -> _HFTokenizer:
     return tok
 
 
-def write_config(out: Path, shape: Shape) -> Shape:
+def write_config(out: Path, shape: Shape, rope_theta: float | None = None) -> Shape:
     """Everything but the weights; returns the shape with its vocabulary size."""
     tokenizer = train_tokenizer()
     # Rows past the tokenizer's are never produced; a multiple of 64 keeps matrices aligned.
@@ -152,6 +156,8 @@ def write_config(out: Path, shape: Shape) -> Shape:
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     out.mkdir(parents=True, exist_ok=True)
     config = _config(ARCH, shape, ids) | {"dtype": "bfloat16"}
+    if rope_theta is not None:
+        config["text_config"]["rope_parameters"]["rope_theta"] = rope_theta
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", _generation_config(ids))
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
@@ -397,13 +403,15 @@ def train(
     settings: TrainSettings | None = None,
     progress: Callable[[int, int, float, float], None] | None = None,
     save_every: int = 0,
+    on_save: Callable[[int], None] | None = None,
 ) -> Path:
     """Write a trained checkpoint into `out` (created) and return it. `progress(step, steps,
     loss, batch accuracy)` is called after every step; the weights are also saved every
-    `save_every` steps (0: only at the end)."""
+    `save_every` joint steps (0: only at the end), and `on_save(joint steps done)` is called
+    after each of those saves (to evaluate the partial checkpoint)."""
     settings = settings or TrainSettings()
     out = Path(out)
-    write_config(out, settings.shape)
+    write_config(out, settings.shape, settings.rope_theta)
     arch = load_arch_config(out)
     torch.manual_seed(settings.seed)
     tower = VisionTower(arch.vision)
@@ -459,8 +467,13 @@ def train(
         _update(loss, optimizer, schedule, params)
         if progress:
             progress(settings.tower_steps + step + 1, total, loss.item(), int(right) / len(batch))
-        if save_every and (step + 1) % save_every == 0:
+        if save_every and (step + 1) % save_every == 0 and step + 1 < settings.steps:
             save_weights(out, tower, lm)
+            if on_save:
+                # Evaluation builds modules (their initialisation draws from the global
+                # generator): fork it so that training goes on with the same numbers.
+                with torch.random.fork_rng():
+                    on_save(step + 1)
     save_weights(out, tower, lm)
     return out
 
