@@ -478,20 +478,20 @@ def run(args: argparse.Namespace) -> int:
         "raw": rates,
     }
     by = {r["topology"]: r for r in rows}
-    if "both" in by and "pd" in by:
-        ratio = {}
+
+    def ratios(ours: str, baseline: str) -> dict[str, float | None]:
+        """`ours` over `baseline`, per latency metric and percentile."""
+        out = {}
         for metric in ("short_itl_ms", "short_ttft_ms", "long_ttft_ms"):
             for q in ("p50", "p99"):
-                a, b = by["pd"][metric][q], by["both"][metric][q]
-                ratio[f"{metric}_{q}"] = round(a / b, 3) if a and b else None
-        summary["pd_vs_both"] = ratio
+                a, b = by[ours][metric][q], by[baseline][metric][q]
+                out[f"{metric}_{q}"] = round(a / b, 3) if a and b else None
+        return out
+
+    if "both" in by and "pd" in by:
+        summary["pd_vs_both"] = ratios("pd", "both")
     if "pd" in by and "pd-steps" in by:
-        ratio = {}
-        for metric in ("short_ttft_ms", "long_ttft_ms", "short_itl_ms"):
-            for q in ("p50", "p99"):
-                a, b = by["pd"][metric][q], by["pd-steps"][metric][q]
-                ratio[f"{metric}_{q}"] = round(a / b, 3) if a and b else None
-        summary["layerwise_vs_steps"] = ratio
+        summary["layerwise_vs_steps"] = ratios("pd", "pd-steps")
     if probe is not None:
         summary["handover"] = probe
     print(json.dumps(summary))
