@@ -84,6 +84,15 @@ def case(ref: ReferenceModel, request_id: str, text: str, images=(), max_tokens:
     return case_parts(ref, request_id, [*images, text], max_tokens)
 
 
+def three_cases(ref: ReferenceModel) -> dict[str, Case]:
+    """The text, one-image and two-image prompts the engine and KV tests hold to the reference."""
+    return {
+        "text": case(ref, "text", "Hello there, how are you today?"),
+        "image": case(ref, "image", "What is in this picture?", [png(120, 64)]),
+        "two": case(ref, "two", "Compare them", [png(56, 56), png(84, 112, (10, 200, 30))]),
+    }
+
+
 def case_parts(ref: ReferenceModel, request_id: str, parts, max_tokens: int = 24) -> Case:
     """A chat prompt of `parts` in order (text, or PNG bytes for an image), and the
     reference's greedy tokens for it."""

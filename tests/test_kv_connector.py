@@ -11,18 +11,14 @@ from connector.kv_stream import KVInbox, KVReceiver, KVSender
 from connector.wire import WireError
 from lm_worker.block_manager import extend_block_hashes
 from lm_worker.kv_connector import tail_hash
-from tests.lm_helpers import Collected, case, make_engine, png, run
+from tests.lm_helpers import Collected, case, make_engine, png, run, three_cases
 
 BLOCK = 8
 
 
 @pytest.fixture(scope="module")
 def cases(tiny_ref):
-    return {
-        "text": case(tiny_ref, "text", "Hello there, how are you today?"),
-        "image": case(tiny_ref, "image", "What is in this picture?", [png(120, 64)]),
-        "two": case(tiny_ref, "two", "Compare them", [png(56, 56), png(84, 112, (10, 200, 30))]),
-    }
+    return three_cases(tiny_ref)
 
 
 def shared_engine(checkpoint, redis_url: str, **lm):

@@ -15,7 +15,7 @@ from connector.kv import HEADER_BYTES, KVStore, decode_block, encode_block, peek
 from connector.kv_stream import KVInbox, KVReceiver, KVSender
 from lm_worker.block_manager import extend_block_hashes
 from lm_worker.kv_connector import tail_hash
-from tests.lm_helpers import case, make_engine, png, run
+from tests.lm_helpers import make_engine, run, three_cases
 from tests.test_kv_connector import BLOCK, blocks, generate
 
 CHUNKED = {"max_num_batched_tokens": 8, "max_num_seqs": 4}
@@ -23,11 +23,7 @@ CHUNKED = {"max_num_batched_tokens": 8, "max_num_seqs": 4}
 
 @pytest.fixture(scope="module")
 def cases(tiny_ref):
-    return {
-        "text": case(tiny_ref, "text", "Hello there, how are you today?"),
-        "image": case(tiny_ref, "image", "What is in this picture?", [png(120, 64)]),
-        "two": case(tiny_ref, "two", "Compare them", [png(56, 56), png(84, 112, (10, 200, 30))]),
-    }
+    return three_cases(tiny_ref)
 
 
 @pytest.fixture(scope="module")
@@ -161,14 +157,19 @@ def _holds_layer(inbox: KVInbox, block_hash: bytes, layer: int) -> bool:
         return layer in inbox._blocks.get(block_hash, {})
 
 
+def handover_taken(prefill, c, direct):
+    """A handover's first token, and its blocks' values taken back out of the decode side's
+    inbox (per block, per layer): a test alters them and sends them again."""
+    first = generate(prefill, c, max_tokens=1, handover=True, target=direct.target)
+    return first, direct.inbox.take_many(hashes_of(c), num_layers(prefill))
+
+
 def test_a_corrupt_layer_is_recomputed_never_used(tiny_checkpoint, redis_server, cases, direct):
     prefill, decode = engines(tiny_checkpoint, redis_server.url, direct)
     c = cases["text"]
-    first = generate(prefill, c, max_tokens=1, handover=True, target=direct.target)
     # Layer 1 of the third block, one payload byte flipped, sent over the wire in place of
     # the good one (the other values are sent back as they were).
-    hashes = hashes_of(c)
-    taken = direct.inbox.take_many(hashes, num_layers(prefill))
+    first, taken = handover_taken(prefill, c, direct)
     assert all(values is not None for values in taken)
     bad = bytearray(taken[2][1])
     assert decode_block(bytes(bad)).first_layer == 1
@@ -185,9 +186,7 @@ def test_a_corrupt_layer_is_recomputed_never_used(tiny_checkpoint, redis_server,
 def test_a_block_missing_a_layer_is_a_miss(tiny_checkpoint, redis_server, cases, direct):
     prefill, decode = engines(tiny_checkpoint, redis_server.url, direct)
     c = cases["image"]
-    first = generate(prefill, c, max_tokens=1, handover=True, target=direct.target)
-    hashes = hashes_of(c)
-    taken = direct.inbox.take_many(hashes, num_layers(prefill))
+    first, taken = handover_taken(prefill, c, direct)
     del taken[1][-1]  # block 1 without its last layer
     direct.sender.send(direct.target, [v for values in taken for v in values])
     rest = decode_rest(decode, c, first)

@@ -16,16 +16,12 @@ from models import MMFeature, SamplingParams
 from models.qwen2_vl import Qwen2VLFamily
 from models.qwen2_vl.language_model import Qwen2LanguageModel
 from models.testing import ContiguousKVAttention, ReferenceModel
-from tests.lm_helpers import Collected, case, make_engine, png, run
+from tests.lm_helpers import Collected, case, make_engine, png, run, three_cases
 
 
 @pytest.fixture(scope="module")
 def cases(tiny_ref):
-    return {
-        "text": case(tiny_ref, "text", "Hello there, how are you today?"),
-        "image": case(tiny_ref, "image", "What is in this picture?", [png(120, 64)]),
-        "two": case(tiny_ref, "two", "Compare them", [png(56, 56), png(84, 112, (10, 200, 30))]),
-    }
+    return three_cases(tiny_ref)
 
 
 def test_mixed_batch_of_text_and_image_requests(tiny_checkpoint, cases):
