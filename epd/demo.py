@@ -34,6 +34,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="the LM's M-RoPE base (default: the shipped model's, 1e6)",
     )  # fmt: skip
     train.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE",
+        help="any other training setting (models/demo/train.py TrainSettings), e.g. "
+        "questions_per_picture=3 or shape.vision_hidden=96; repeatable",
+    )  # fmt: skip
+    train.add_argument(
         "--threads", type=int, default=1, help="torch threads (default 1: pictures are drawn on "
         "a second thread meanwhile, so one is two cores' worth; on a shared machine one torch "
         "thread is several times faster than two)",
@@ -92,6 +97,11 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, rope_theta=args.rope_theta)
     if args.tower_steps is not None:
         settings = dataclasses.replace(settings, tower_steps=args.tower_steps)
+    try:
+        settings = train.with_overrides(settings, args.set)
+    except ValueError as e:
+        print(f"epd train-demo: --set {e}", file=sys.stderr)
+        return 2
     print(
         f"training the vision tower alone {settings.tower_steps} steps of "
         f"{settings.tower_batch} pictures, then the whole model {settings.steps} steps of "

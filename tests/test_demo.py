@@ -26,6 +26,8 @@ from models.demo.train import (
     forward_loss,
     token_labels,
     train,
+    with_overrides,
+    write_config,
 )
 from models.qwen2_vl.config import load_arch_config
 from models.qwen2_vl.language_model import Qwen2LanguageModel
@@ -209,6 +211,64 @@ def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     text = tokenizer.decode(example.token_ids)
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>")
     assert text.endswith(scenes.sample(0).answer + "<|im_end|>")
+
+
+def test_questions_about_one_picture_share_its_scene_and_pixels():
+    qs = scenes.questions(1_000_123, 3)
+    assert len(qs) == 3 and len({q.kind for q in qs}) == 3
+    assert len({q.images[0] for q in qs}) == 1 and len({q.scenes[0] for q in qs}) == 1
+    for q in qs:
+        assert q == scenes.sample(1_000_123, q.kind)
+    assert len(scenes.questions(7, 99)) == len(scenes.QUESTION_WEIGHTS)
+
+
+def test_settings_overrides_parse_by_field_type_and_refuse_unknown_fields():
+    s = with_overrides(
+        TrainSettings(),
+        ["questions_per_picture=3", "freeze_tower=true", "vision_lr=5e-3",
+         "shape.fullatt_block_indexes=0,1,2", "shape.vision_hidden=96"],
+    )  # fmt: skip
+    assert (s.questions_per_picture, s.freeze_tower, s.vision_lr) == (3, True, 5e-3)
+    assert s.shape.fullatt_block_indexes == (0, 1, 2) and s.shape.vision_hidden == 96
+    for bad in ("nope=1", "steps", "steps=x", "freeze_tower=maybe", "shape=1", "shape.nope=2"):
+        with pytest.raises(ValueError):
+            with_overrides(TrainSettings(), [bad])
+
+
+def test_cli_train_demo_refuses_an_unknown_setting(tmp_path, capsys):
+    assert epd_main(["train-demo", str(tmp_path / "m"), "--set", "nope=1"]) == 2
+    assert "nope=1" in capsys.readouterr().err
+
+
+def test_a_shared_picture_is_encoded_once_with_the_same_loss(tmp_path):
+    """Questions about one picture share its tower pass; the loss and gradients equal those
+    of each question encoding its own copy."""
+    out = tmp_path / "m"
+    write_config(out, SMALL)
+    arch = load_arch_config(out)
+    torch.manual_seed(0)
+    tower = VisionTower(arch.vision)
+    lm = Qwen2LanguageModel(arch.text, PackedCausalAttention())
+    encoder = Encoder(out)
+    qs = scenes.questions(1_000_321, 3)
+    processed: dict = {}
+    shared = [encoder.example(q, True, processed) for q in qs]
+    own = [encoder.example(q, True) for q in qs]
+    assert shared[0].media[0] is shared[1].media[0] and own[0].media[0] is not own[1].media[0]
+    calls = []
+    tower.register_forward_hook(lambda m, args, out: calls.append(len(args[1])))
+    grads = []
+    for batch in (shared, own):
+        tower.zero_grad()
+        lm.zero_grad()
+        loss, _ = forward_loss(tower, lm, batch, arch.vision.spatial_merge_size)
+        loss.backward()
+        grads.append(tower.patch_embed.proj.weight.grad.clone())
+        grads.append(float(loss))
+    pictures = sum(len(q.images) for q in qs)
+    assert calls == [pictures - (len(qs) - 1), pictures]  # the first picture once, not 3 times
+    assert grads[1] == pytest.approx(grads[3], rel=1e-5)
+    torch.testing.assert_close(grads[0], grads[2], rtol=1e-4, atol=1e-6)
 
 
 def test_partial_checkpoints_are_evaluated_without_changing_the_training(tmp_path):

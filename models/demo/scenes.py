@@ -45,6 +45,10 @@ WHERE = {
     "bottom": "at the bottom",
     "center": "in the center",
 }
+# A shape's radius, a fraction of the picture's shorter side, and how far its centre may stray
+# from its place's (a fraction of each side).
+SHAPE_RADIUS = (0.09, 0.14)
+PLACE_JITTER = 0.04
 NUMBERS = ("zero", "one", "two", "three")
 ORDINALS = ("first", "second")
 BACKGROUNDS = ("plain", "noise", "stripes", "checks", "gradient")
@@ -191,8 +195,9 @@ def draw(
     placed = []
     for shape in scene.shapes:
         fx, fy = PLACES[shape.place]
-        x, y = fx + rng.uniform(-0.04, 0.04), fy + rng.uniform(-0.04, 0.04)
-        radius = rng.uniform(0.09, 0.14)
+        x = fx + rng.uniform(-PLACE_JITTER, PLACE_JITTER)
+        y = fy + rng.uniform(-PLACE_JITTER, PLACE_JITTER)
+        radius = rng.uniform(*SHAPE_RADIUS)
         _draw_shape(pen, shape.kind, COLOURS[shape.colour], x * scale * width,
                     y * scale * height, radius * unit)  # fmt: skip
         placed.append(Placed(shape, x, y, radius))
@@ -330,6 +335,20 @@ def sample(seed: int, kind: QuestionKind | None = None) -> Sample:
     which = rng.randrange(2)
     question = f"What is in the {ORDINALS[which]} picture?"
     return Sample(kind, question, (scene, other)[which].describe(), *two)
+
+
+def questions(seed: int, count: int) -> list[Sample]:
+    """`count` questions of different kinds (weighted as QUESTION_WEIGHTS) about seed's
+    picture: sample(seed, kind) draws the same scene and picture whatever the kind."""
+    rng = random.Random(seed * 7919 + 11)
+    kinds = list(QUESTION_WEIGHTS)
+    weights = [QUESTION_WEIGHTS[k] for k in kinds]
+    chosen: list[QuestionKind] = []
+    while len(chosen) < min(count, len(kinds)):
+        kind = rng.choices(kinds, weights)[0]
+        if kind not in chosen:
+            chosen.append(kind)
+    return [sample(seed, kind) for kind in chosen]
 
 
 def answer_corpus() -> list[str]:

@@ -19,6 +19,8 @@ settings and thread count give the same bytes.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import math
 import random
@@ -114,11 +116,55 @@ class TrainSettings:
     tower_steps: int = 0
     tower_batch: int = 16
     tower_lr: float = 5e-3
+    # After its phase the tower is frozen: the joint steps run it without gradients (about a
+    # third of a step's cost saved) and train the LM to read what it learnt.
+    freeze_tower: bool = False
     # The LM's M-RoPE base. Its rotary pairs go to the sections (time, height, width) in order
     # of falling frequency; at the usual 1e6 with 16 pairs the width pairs turn by < 0.002 rad
     # per column, so the LM cannot tell left from right in a picture a dozen tokens wide.
     rope_theta: float = 1e6
+    # Questions asked about each picture in a joint step (the batch holds batch_size //
+    # questions_per_picture pictures): the tower runs once per picture and its tokens serve
+    # every question about it, so the LM gets more answers per picture drawn and encoded.
+    questions_per_picture: int = 1
+    # The tower's (and its auxiliary head's) learning rate in the joint phase; None: lr.
+    vision_lr: float | None = None
     shape: Shape = field(default=DEMO_SHAPE)
+
+
+def with_overrides(settings: TrainSettings, assignments: Iterable[str]) -> TrainSettings:
+    """`settings` with "FIELD=VALUE" (a TrainSettings field) or "shape.FIELD=VALUE" (a model
+    size) applied: values parse as the field's current type (a tuple from "a,b,c", a bool from
+    true / false, a float where the default is None)."""
+    for assignment in assignments:
+        name, sep, text = assignment.partition("=")
+        target: Any = settings.shape if name.startswith("shape.") else settings
+        key = name.removeprefix("shape.")
+        if not sep or key not in {f.name for f in dataclasses.fields(target)} or key == "shape":
+            fields = [f.name for f in dataclasses.fields(TrainSettings) if f.name != "shape"]
+            raise ValueError(
+                f"not FIELD=VALUE or shape.FIELD=VALUE with a known field: {assignment!r} "
+                f"(fields: {', '.join(fields)}; shape.*: the model's sizes)"
+            )
+        current = getattr(target, key)
+        try:
+            if isinstance(current, bool):
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(text)
+                value: Any = text.lower() in ("true", "1")
+            elif isinstance(current, tuple):
+                value = tuple(int(v) for v in text.split(",") if v.strip())
+            elif current is None or isinstance(current, float):
+                value = float(text)
+            else:
+                value = type(current)(text)
+        except ValueError:
+            raise ValueError(f"{name}: cannot read {text!r} as {type(current).__name__}") from None
+        if target is settings:
+            settings = replace(settings, **{key: value})
+        else:
+            settings = replace(settings, shape=replace(settings.shape, **{key: value}))
+    return settings
 
 
 # -- the checkpoint's files --------------------------------------------------------------------
@@ -240,11 +286,20 @@ class Encoder:
         self.processor = MediaProcessor.from_checkpoint(checkpoint)
         self.end = self.tokenizer.required_id("<|im_end|>")
 
-    def prompt(self, sample: scenes.Sample) -> Example:
+    def prompt(
+        self, sample: scenes.Sample, processed: dict[bytes, ProcessedMedia] | None = None
+    ) -> Example:
+        """The chat prompt's ids and media; `processed` (PNG -> media) lets questions about
+        one picture share one ProcessedMedia, which the tower then encodes once."""
         content: list[dict[str, Any]] = [{"type": "image"} for _ in sample.images]
         content.append({"type": "text", "text": sample.question})
         text = self.tokenizer.apply_chat_template([{"role": "user", "content": content}])
-        media = [self.processor.process_image(data) for data in sample.images]
+        processed = {} if processed is None else processed
+        media = []
+        for data in sample.images:
+            if data not in processed:
+                processed[data] = self.processor.process_image(data)
+            media.append(processed[data])
         image_token = self.arch.tokens.image_token_id
         ids, runs = expand_placeholders(
             self.tokenizer.encode(text), [image_token], [m.grid.num_tokens for m in media]
@@ -255,8 +310,13 @@ class Encoder:
         ]
         return Example(ids, len(ids), media, spans)
 
-    def example(self, sample: scenes.Sample, drawn_labels: bool = False) -> Example:
-        example = self.prompt(sample)
+    def example(
+        self,
+        sample: scenes.Sample,
+        drawn_labels: bool = False,
+        processed: dict[bytes, ProcessedMedia] | None = None,
+    ) -> Example:
+        example = self.prompt(sample, processed)
         example.token_ids += [*self.tokenizer.encode(sample.answer), self.end]
         for scene, placed, m in zip(sample.scenes, sample.placed, example.media, strict=True):
             grid = m.grid.grid_thw
@@ -348,18 +408,27 @@ def forward_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy of the answers' tokens (plus, with `aux_head` / `lm_aux_head`, the
     auxiliary losses), and how many answers were all right."""
-    media = [m for e in batch for m in e.media]
-    embeds = tower(torch.cat([m.pixel_values for m in media]), [m.grid.grid_thw for m in media])
+    # Each picture once through the tower, however many questions ask about it.
+    unique: dict[int, int] = {}  # id(media) -> its index in `media`
+    media: list[ProcessedMedia] = []
+    unique_labels: list[torch.Tensor] = []
+    for e in batch:
+        for m, t in itertools.zip_longest(e.media, e.token_labels):
+            if id(m) not in unique:
+                unique[id(m)] = len(media)
+                media.append(m)
+                if t is not None:
+                    unique_labels.append(t)
+    encoded = tower(torch.cat([m.pixel_values for m in media]), [m.grid.grid_thw for m in media])
+    embeds = [encoded[unique[id(m)]] for e in batch for m in e.media]
     aux = torch.zeros(())
     token_labels = [t for e in batch for t in e.token_labels]
     labels = torch.cat(token_labels) if token_labels else None
-    if aux_head is not None and labels is not None:
+    if aux_head is not None and unique_labels:
         # The vision tokens alone say what shape of what colour each covers: a direct signal
         # for the tower from the first step, while the LM still answers from priors.
-        aux = (
-            aux_weight
-            * tower_aux_loss(aux_head, torch.cat(embeds), labels, aux_background_weight)[0]
-        )
+        tokens, labels_once = torch.cat(encoded), torch.cat(unique_labels)
+        aux = aux_weight * tower_aux_loss(aux_head, tokens, labels_once, aux_background_weight)[0]
     ids = torch.tensor([t for e in batch for t in e.token_ids])
     is_mm = torch.zeros(len(ids), dtype=torch.bool)
     positions, targets, rows, owners = [], [], [], []
@@ -426,29 +495,39 @@ def train(
     if settings.tower_steps:
         pretrain_tower(tower, aux_head, encoder, settings, progress)
     heads = [aux_head] + ([lm_aux_head] if settings.lm_aux_weight else [])
-    params = [p for m in (tower, lm, *heads) for p in m.parameters()]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": settings.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=settings.lr,
-        betas=(0.9, 0.98),
-    )
+    frozen = settings.freeze_tower and settings.tower_steps > 0
+    if frozen:
+        tower.requires_grad_(False)
+        aux_head.requires_grad_(False)
+    params = [p for m in (tower, lm, *heads) for p in m.parameters() if p.requires_grad]
+    groups = []
+    vision = [p for m in (tower, aux_head) for p in m.parameters() if p.requires_grad]
+    rest = [p for m in (lm, *heads[1:]) for p in m.parameters()]
+    for part, lr in ((vision, settings.vision_lr or settings.lr), (rest, settings.lr)):
+        if not part:
+            continue
+        groups.append({"params": [p for p in part if p.dim() >= 2], "lr": lr})
+        groups[-1]["weight_decay"] = settings.weight_decay
+        groups.append({"params": [p for p in part if p.dim() < 2], "lr": lr, "weight_decay": 0.0})
+    optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.98))
 
     schedule = _warmup_cosine(optimizer, settings.steps, settings.warmup, settings.min_lr)
     merge = arch.vision.spatial_merge_size
-    tower.train()
+    tower.train(not frozen)
     lm.train()
 
     def batch_of(step: int) -> list[Example]:
         first = TRAIN_SEED_BASE + step * settings.batch_size
-        return [
-            encoder.example(scenes.sample(s), settings.drawn_labels)
-            for s in range(first, first + settings.batch_size)
-        ]
+        seeds = range(first, first + settings.batch_size)
+        if settings.questions_per_picture == 1:
+            return [encoder.example(scenes.sample(s), settings.drawn_labels) for s in seeds]
+        out: list[Example] = []
+        per = settings.questions_per_picture
+        for s in seeds[::per]:
+            processed: dict[bytes, ProcessedMedia] = {}
+            for sample in scenes.questions(s, min(per, seeds.stop - s)):
+                out.append(encoder.example(sample, settings.drawn_labels, processed))
+        return out
 
     total = settings.tower_steps + settings.steps
     for step, batch in enumerate(_prefetched(batch_of, settings.steps)):
@@ -458,7 +537,7 @@ def train(
             lm,
             batch,
             merge,
-            heads[0],
+            None if frozen else heads[0],
             lm_aux_head,
             settings.aux_weight,
             settings.lm_aux_weight,
