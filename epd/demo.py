@@ -31,7 +31,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     train.add_argument(
         "--rope-theta", type=float,
-        help="the LM's M-RoPE base (default: the shipped model's, 1e6)",
+        help="the LM's M-RoPE base (default: the shipped model's, 10)",
     )  # fmt: skip
     train.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE",

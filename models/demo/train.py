@@ -71,9 +71,9 @@ LM_AUX_WEIGHT = 0.5
 TRAIN_SEED_BASE = 1_000_000  # training samples; the held-out set is seeds 0 .. 499
 TOWER_SEED_BASE = 50_000_000  # the tower's pre-training pictures
 
-# The built-in model's sizes: ~0.9M parameters. Pictures are scaled to 32-64 merged tokens
-# (e.g. 224x224 pixels; smaller ones are scaled up), so that a shape spans a few 14-pixel
-# patches; a question is ~60-150 tokens.
+# The built-in model's sizes: ~0.9M parameters. Pictures are scaled to 64-128 merged tokens
+# (e.g. 224x224 to 316x316 pixels; smaller ones are scaled up), so that a shape spans 3-6
+# 14-pixel patches across; a question is ~100-300 tokens.
 DEMO_SHAPE = replace(
     SHAPES["tiny"],
     vocab_size=0,  # set from the trained tokenizer
@@ -89,10 +89,12 @@ DEMO_SHAPE = replace(
     vision_heads=2,
     vision_intermediate=128,
     window_size=112,
-    fullatt_block_indexes=(2,),
-    max_pixels=28 * 28 * 64,
-    video_max_pixels=28 * 28 * 32,
-    min_pixels=28 * 28 * 32,
+    # Every block attends over the whole picture: the places' shapes sit on the corners of
+    # 112-pixel windows, so windowed blocks would see each shape in pieces.
+    fullatt_block_indexes=(0, 1, 2),
+    max_pixels=28 * 28 * 128,
+    video_max_pixels=28 * 28 * 128,
+    min_pixels=28 * 28 * 64,
 )
 
 
@@ -109,11 +111,11 @@ class TrainSettings:
     min_lr: float = 0.05  # the cosine schedule's floor, a fraction of lr
     # Auxiliary labels from where each shape was drawn (scenes.Placed) instead of its nominal
     # place, and the weight of the background class in the tower's auxiliary loss.
-    drawn_labels: bool = False
-    aux_background_weight: float = 1.0
+    drawn_labels: bool = True
+    aux_background_weight: float = 0.3
     # First the tower alone learns the auxiliary task (no LM: a fraction of a joint step's
     # cost), on tower_batch pictures a step at tower_lr; it uses drawn labels.
-    tower_steps: int = 0
+    tower_steps: int = 600
     tower_batch: int = 16
     tower_lr: float = 5e-3
     # After its phase the tower is frozen: the joint steps run it without gradients (about a
@@ -121,14 +123,15 @@ class TrainSettings:
     freeze_tower: bool = False
     # The LM's M-RoPE base. Its rotary pairs go to the sections (time, height, width) in order
     # of falling frequency; at the usual 1e6 with 16 pairs the width pairs turn by < 0.002 rad
-    # per column, so the LM cannot tell left from right in a picture a dozen tokens wide.
-    rope_theta: float = 1e6
+    # per column, so the LM cannot tell left from right in a picture a dozen tokens wide; at
+    # 10 they turn by 0.12-0.24 rad (the height pairs by 0.27-0.56).
+    rope_theta: float = 10.0
     # Questions asked about each picture in a joint step (the batch holds batch_size //
     # questions_per_picture pictures): the tower runs once per picture and its tokens serve
     # every question about it, so the LM gets more answers per picture drawn and encoded.
-    questions_per_picture: int = 1
+    questions_per_picture: int = 2
     # The tower's (and its auxiliary head's) learning rate in the joint phase; None: lr.
-    vision_lr: float | None = None
+    vision_lr: float | None = 5e-3
     shape: Shape = field(default=DEMO_SHAPE)
 
 
