@@ -222,6 +222,26 @@ def test_questions_about_one_picture_share_its_scene_and_pixels():
     assert len(scenes.questions(7, 99)) == len(scenes.QUESTION_WEIGHTS)
 
 
+def test_a_frozen_tower_keeps_its_phase_weights_while_the_lm_learns(tmp_path):
+    settings = TrainSettings(
+        steps=3, batch_size=4, warmup=1, tower_steps=2, tower_batch=2, freeze_tower=True,
+        shape=SMALL,
+    )  # fmt: skip
+    saved = []
+
+    def on_save(step: int) -> None:
+        with safe_open(tmp_path / "m" / "model.safetensors", "pt") as f:
+            saved.append({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+
+    train(tmp_path / "m", settings, save_every=1, on_save=on_save)
+    on_save(settings.steps)
+    first, last = saved[0], saved[-1]
+    for name in first:
+        if name.startswith("visual."):
+            assert torch.equal(first[name], last[name]), name
+    assert not all(torch.equal(first[k], last[k]) for k in first if not k.startswith("visual."))
+
+
 def test_settings_overrides_parse_by_field_type_and_refuse_unknown_fields():
     s = with_overrides(
         TrainSettings(),
@@ -272,7 +292,9 @@ def test_a_shared_picture_is_encoded_once_with_the_same_loss(tmp_path):
 
 
 def test_partial_checkpoints_are_evaluated_without_changing_the_training(tmp_path):
-    settings = TrainSettings(steps=4, batch_size=2, warmup=1, rope_theta=100.0, shape=SMALL)
+    settings = TrainSettings(
+        steps=4, batch_size=2, warmup=1, tower_steps=1, tower_batch=2, rope_theta=100.0, shape=SMALL
+    )
     seen = []
 
     def on_save(step: int) -> None:

@@ -509,9 +509,9 @@ def train(
     for part, lr in ((vision, settings.vision_lr or settings.lr), (rest, settings.lr)):
         if not part:
             continue
-        groups.append({"params": [p for p in part if p.dim() >= 2], "lr": lr})
-        groups[-1]["weight_decay"] = settings.weight_decay
-        groups.append({"params": [p for p in part if p.dim() < 2], "lr": lr, "weight_decay": 0.0})
+        matrices, others = [p for p in part if p.dim() >= 2], [p for p in part if p.dim() < 2]
+        groups.append({"params": matrices, "lr": lr, "weight_decay": settings.weight_decay})
+        groups.append({"params": others, "lr": lr, "weight_decay": 0.0})
     optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.98))
 
     schedule = _warmup_cosine(optimizer, settings.steps, settings.warmup, settings.min_lr)
