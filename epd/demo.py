@@ -102,6 +102,9 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"epd train-demo: --set {e}", file=sys.stderr)
         return 2
+    if not train.keep_freed_memory():
+        print("epd train-demo: not glibc's malloc: freed memory goes back to the kernel and "
+              "training runs slower (page faults)", file=sys.stderr)  # fmt: skip
     print(
         f"training the vision tower alone {settings.tower_steps} steps of "
         f"{settings.tower_batch} pictures, then the whole model {settings.steps} steps of "

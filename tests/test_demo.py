@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import io
 import json
+import platform
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +39,8 @@ from models.qwen2_vl.vision import VisionTower
 from models.sampling import SamplingParams
 from models.testing.attention import causal_attention
 from models.testing.reference import PreparedPrompt
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The shipped model's exact-match accuracy on held-out scenes, rounded down (README: the figure
 # over all 500 and the command that measures it).
@@ -149,18 +155,25 @@ def test_cli_scene_writes_the_picture_it_names(tmp_path, capsys):
 
 def test_packed_causal_attention_equals_per_sequence_causal_attention():
     gen = torch.Generator().manual_seed(0)
-    lens = [5, 9, 1, 7]
+    lens = [5, 9, 1, 7, 3, 12]
     T = sum(lens)
-    q = torch.randn(T, 4, 8, generator=gen)
-    k = torch.randn(T, 2, 8, generator=gen)
-    v = torch.randn(T, 2, 8, generator=gen)
-    got = PackedCausalAttention()(0, q, k, v, PackedMetadata(tuple(lens)))
+    q = torch.randn(T, 4, 8, generator=gen, requires_grad=True)
+    k = torch.randn(T, 2, 8, generator=gen, requires_grad=True)
+    v = torch.randn(T, 2, 8, generator=gen, requires_grad=True)
+    weights = torch.randn(T, 4, 8, generator=gen)
     want, start = [], 0
     for n in lens:
         s = slice(start, start + n)
         want.append(causal_attention(q[s], k[s], v[s]))
         start += n
-    torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+    want_grads = torch.autograd.grad((torch.cat(want) * weights).sum(), (q, k, v))
+    # Sequences grouped by length, two (three groups) and eight (one) to a batched call.
+    for group in (2, 8):
+        got = PackedCausalAttention(group)(0, q, k, v, PackedMetadata(tuple(lens)))
+        torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+        grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
+        for g, w in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_tower_forward_is_the_served_numerics_with_gradients(tiny_checkpoint):
@@ -253,6 +266,13 @@ def test_settings_overrides_parse_by_field_type_and_refuse_unknown_fields():
     for bad in ("nope=1", "steps", "steps=x", "freeze_tower=maybe", "shape=1", "shape.nope=2"):
         with pytest.raises(ValueError):
             with_overrides(TrainSettings(), [bad])
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_training_keeps_freed_memory_for_reuse():
+    # In a process of its own: the setting lasts for the process.
+    code = "from models.demo.train import keep_freed_memory as k; raise SystemExit(not k())"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
 def test_cli_train_demo_refuses_an_unknown_setting(tmp_path, capsys):

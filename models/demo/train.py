@@ -19,6 +19,7 @@ settings and thread count give the same bytes.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -240,8 +241,12 @@ class PackedMetadata:
 
 class PackedCausalAttention:
     """The LM's AttentionBackend for training: each sequence of the packed step attends
-    causally to itself, whole (no cache). Sequences are padded to the longest at the end,
-    where the causal mask keeps the padding from any real query."""
+    causally to itself, whole (no cache). Sequences of similar length are padded to the
+    longest of their group of `group` (the padding at the end, where the causal mask keeps it
+    from any real query), each group one batched call."""
+
+    def __init__(self, group: int = 8):
+        self.group = group
 
     def __call__(
         self,
@@ -251,20 +256,42 @@ class PackedCausalAttention:
         v: torch.Tensor,
         attn_metadata: PackedMetadata,
     ) -> torch.Tensor:
-        lens = list(attn_metadata.seq_lens)
         groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        outs, tokens = [], []
+        for seqs, token_ids, rows in self._groups(attn_metadata.seq_lens):
+            shape = (len(seqs), max(attn_metadata.seq_lens[i] for i in seqs))
+            out = F.scaled_dot_product_attention(
+                *(_padded(x, token_ids, rows, shape) for x in (q, k, v)), is_causal=True
+            )
+            outs.append(out.transpose(1, 2).flatten(0, 1)[rows])
+            tokens.append(token_ids)
+        return torch.cat(outs)[torch.argsort(torch.cat(tokens))]
 
-        def padded(x: torch.Tensor) -> torch.Tensor:  # -> [B, heads, L, head_dim]
-            seqs = torch.nn.utils.rnn.pad_sequence(list(x.split(lens)), batch_first=True)
-            return seqs.transpose(1, 2)
+    def _groups(
+        self, lens: Sequence[int]
+    ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+        """Per group of sequences (by length): their indices, their tokens' packed positions,
+        and the rows those tokens take in the group's padded [sequences * longest] layout."""
+        starts = [0, *itertools.accumulate(lens)]
+        order = sorted(range(len(lens)), key=lambda i: lens[i])
+        for g in range(0, len(order), self.group):
+            seqs = order[g : g + self.group]
+            L = max(lens[i] for i in seqs)
+            token_ids = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in seqs])
+            rows = torch.cat([torch.arange(j * L, j * L + lens[i]) for j, i in enumerate(seqs)])
+            yield seqs, token_ids, rows
 
-        out = F.scaled_dot_product_attention(
-            padded(q),
-            padded(k.repeat_interleave(groups, dim=1)),
-            padded(v.repeat_interleave(groups, dim=1)),
-            is_causal=True,
-        ).transpose(1, 2)  # [B, L, heads, head_dim]
-        return torch.cat([out[i, :n] for i, n in enumerate(lens)])
+
+def _padded(
+    x: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor, shape: tuple[int, int]
+) -> torch.Tensor:
+    """x's rows `token_ids` ([T, heads, head_dim]) at `rows` of a zero [B * L] layout, as
+    [B, heads, L, head_dim]. Index copies, not pad_sequence: the latter's per-sequence slice
+    copies cost each a copy of the whole padded gradient in backward."""
+    flat = x.new_zeros(shape[0] * shape[1], *x.shape[1:])
+    flat = flat.index_copy(0, rows, x.index_select(0, token_ids))
+    return flat.view(*shape, *x.shape[1:]).transpose(1, 2)
 
 
 @dataclass
@@ -613,6 +640,23 @@ def _prefetched(batch_of: Callable[[int], Any], steps: int) -> Iterator[Any]:
             if step + 1 < steps:
                 upcoming = pool.submit(batch_of, step + 1)
             yield batch
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed memory for reuse instead of handing it back to the
+    kernel, for the rest of the process (the training command's own). A step allocates and
+    frees hundreds of tensors of a few MB; by default each is a fresh mmap whose pages fault
+    in one by one (on this project's machines a multiplication into a fresh 4 MB tensor took
+    2.4x one into reused memory). False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    # mallopt's parameters (malloc.h): blocks up to 32 MB (its largest mmap threshold) come
+    # from the heap, the heap is not trimmed below 2 GiB, and grows 256 MiB at a time.
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    settings = ((m_mmap_threshold, 32 << 20), (m_trim_threshold, 2**31 - 1), (m_top_pad, 256 << 20))
+    return all(libc.mallopt(option, value) == 1 for option, value in settings)
 
 
 def _warmup_cosine(
