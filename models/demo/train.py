@@ -247,6 +247,8 @@ class PackedCausalAttention:
 
     def __init__(self, group: int = 8):
         self.group = group
+        # The last step's sequence lengths and their groups: every layer has the same.
+        self._last: tuple[tuple[int, ...], list[Any]] = ((), [])
 
     def __call__(
         self,
@@ -259,7 +261,9 @@ class PackedCausalAttention:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         outs, tokens = [], []
-        for seqs, token_ids, rows in self._groups(attn_metadata.seq_lens):
+        if self._last[0] != attn_metadata.seq_lens:
+            self._last = (attn_metadata.seq_lens, list(self._groups(attn_metadata.seq_lens)))
+        for seqs, token_ids, rows in self._last[1]:
             shape = (len(seqs), max(attn_metadata.seq_lens[i] for i in seqs))
             out = F.scaled_dot_product_attention(
                 *(_padded(x, token_ids, rows, shape) for x in (q, k, v)), is_causal=True
