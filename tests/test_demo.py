@@ -304,7 +304,7 @@ def test_a_shared_picture_is_encoded_once_with_the_same_loss(tmp_path):
         loss, _ = forward_loss(tower, lm, batch, arch.vision.spatial_merge_size)
         loss.backward()
         grads.append(tower.patch_embed.proj.weight.grad.clone())
-        grads.append(float(loss))
+        grads.append(loss.item())
     pictures = sum(len(q.images) for q in qs)
     assert calls == [pictures - (len(qs) - 1), pictures]  # the first picture once, not 3 times
     assert grads[1] == pytest.approx(grads[3], rel=1e-5)
