@@ -657,7 +657,8 @@ def keep_freed_memory() -> bool:
     except OSError:
         return False
     # mallopt's parameters (malloc.h): blocks up to 32 MB (its largest mmap threshold) come
-    # from the heap, the heap is not trimmed below 2 GiB, and grows 256 MiB at a time.
+    # from the heap, up to 2 GiB free at the heap's top stays mapped, and the heap grows
+    # 256 MiB at a time.
     m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
     settings = ((m_mmap_threshold, 32 << 20), (m_trim_threshold, 2**31 - 1), (m_top_pad, 256 << 20))
     return all(libc.mallopt(option, value) == 1 for option, value in settings)
