@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
@@ -86,11 +87,26 @@ def epd_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "epd", *args]
 
 
+# Ports free_port has handed out in this process: asked twice before the first is bound, the
+# OS may well pick the same port again.
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port that nothing listens on right now (the OS picks it) and that this process has
+    not been given before: ports picked one after another for roles not started yet (a
+    proxy's gRPC and HTTP ports) differ."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with _handed_out_lock:
+        for _ in range(100):
+            with socket.socket(family) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise OSError(f"no free port on {host} that this process was not given already")
 
 
 def port_is_free(host: str, port: int) -> bool:

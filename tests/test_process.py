@@ -14,7 +14,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.process import Child
+from common.process import Child, free_port, port_is_free
 
 
 async def _spawn_while_busy(count: int) -> list[int]:
@@ -76,3 +76,11 @@ def test_a_child_goes_when_its_parent_is_killed():
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     raise AssertionError("the child outlived its killed parent")
+
+
+def test_free_ports_picked_one_after_another_differ():
+    # None of them is bound in between: the OS alone would often pick one twice.
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    for port in ports[:5]:
+        assert port_is_free("127.0.0.1", port)
