@@ -79,7 +79,7 @@ def test_a_child_goes_when_its_parent_is_killed():
 
 
 def test_free_ports_picked_one_after_another_differ():
-    # None of them is bound in between: the OS alone would often pick one twice.
+    # None of them is bound in between: the OS alone sometimes picks one twice.
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
     for port in ports[:5]:

@@ -263,8 +263,7 @@ class PackedCausalAttention:
         outs, tokens = [], []
         if self._last[0] != attn_metadata.seq_lens:
             self._last = (attn_metadata.seq_lens, list(self._groups(attn_metadata.seq_lens)))
-        for seqs, token_ids, rows in self._last[1]:
-            shape = (len(seqs), max(attn_metadata.seq_lens[i] for i in seqs))
+        for shape, token_ids, rows in self._last[1]:
             out = F.scaled_dot_product_attention(
                 *(_padded(x, token_ids, rows, shape) for x in (q, k, v)), is_causal=True
             )
@@ -274,9 +273,9 @@ class PackedCausalAttention:
 
     def _groups(
         self, lens: Sequence[int]
-    ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
-        """Per group of sequences (by length): their indices, their tokens' packed positions,
-        and the rows those tokens take in the group's padded [sequences * longest] layout."""
+    ) -> Iterator[tuple[tuple[int, int], torch.Tensor, torch.Tensor]]:
+        """Per group of sequences (by length): its padded shape (sequences, longest), its
+        tokens' packed positions, and the rows those tokens take in the padded layout."""
         starts = [0, *itertools.accumulate(lens)]
         order = sorted(range(len(lens)), key=lambda i: lens[i])
         for g in range(0, len(order), self.group):
@@ -284,7 +283,7 @@ class PackedCausalAttention:
             L = max(lens[i] for i in seqs)
             token_ids = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in seqs])
             rows = torch.cat([torch.arange(j * L, j * L + lens[i]) for j, i in enumerate(seqs)])
-            yield seqs, token_ids, rows
+            yield (len(seqs), L), token_ids, rows
 
 
 def _padded(
