@@ -93,8 +93,22 @@ class Cluster:
         self.start("proxy", "proxy", f"127.0.0.1:{self.proxy_grpc}")
         for role in self.roles.values():
             role.wait_status("SERVING", timeout=120)
+        self.wait_proxy_sees_workers_serving()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.proxy_grpc}")
         self.stub = epd_pb2_grpc.InferenceStub(self.channel)
+
+    def wait_proxy_sees_workers_serving(self, timeout: float = 30.0) -> None:
+        """Until the proxy's own view (/health) has every worker SERVING: a worker the proxy
+        probed before it listened is UNREACHABLE there until the next poll, though its own
+        health already says SERVING."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status, body = self.http("/health")
+            workers = [w for r in body.get("roles", {}).values() for w in r["workers"]]
+            if status == 200 and workers and all(w["status"] == "SERVING" for w in workers):
+                return
+            assert time.monotonic() < deadline, f"the proxy does not see its workers: {body}"
+            time.sleep(0.1)
 
     def start(
         self, kind: str, name: str, address: str, env: dict[str, str] | None = None
