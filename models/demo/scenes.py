@@ -13,6 +13,7 @@ on every machine (Python's `random.Random` and Pillow drawing, no global state).
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import random
@@ -207,9 +208,19 @@ def draw(
 
 
 def png(image: Image.Image) -> bytes:
+    # The fastest zlib level: a training step draws dozens of pictures, and the pixels are
+    # the same at any level.
     buf = io.BytesIO()
-    image.save(buf, "PNG")
+    image.save(buf, "PNG", compress_level=1)
     return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=64)
+def drawn_png(scene: Scene, seed: int) -> tuple[bytes, tuple[Placed, ...]]:
+    """draw(scene, seed) as a PNG, and where its shapes were drawn; the last ones are kept:
+    each question about a picture (scenes.questions) draws it again."""
+    picture, placed = draw(scene, seed)
+    return png(picture), placed
 
 
 def _background(rng: random.Random, size: tuple[int, int]) -> Image.Image:
@@ -309,8 +320,7 @@ def sample(seed: int, kind: QuestionKind | None = None) -> Sample:
     kinds = list(QUESTION_WEIGHTS)
     kind = kind or rng.choices(kinds, [QUESTION_WEIGHTS[k] for k in kinds])[0]
     scene = random_scene(rng)
-    picture, placed = draw(scene, rng.getrandbits(32))
-    image = png(picture)
+    image, placed = drawn_png(scene, rng.getrandbits(32))
     one = ((image,), (scene,), (placed,))
     if kind == "describe":
         return Sample(kind, rng.choice(DESCRIBE), scene.describe(), *one)
@@ -327,8 +337,8 @@ def sample(seed: int, kind: QuestionKind | None = None) -> Sample:
     # question about one of them.
     same = rng.random() < 0.5
     other = scene if same else altered(scene, rng)
-    picture, placed2 = draw(other, rng.getrandbits(32))
-    two = ((image, png(picture)), (scene, other), (placed, placed2))
+    image2, placed2 = drawn_png(other, rng.getrandbits(32))
+    two = ((image, image2), (scene, other), (placed, placed2))
     if rng.random() < 0.5:
         question = "Do these two pictures show the same scene?"
         return Sample(kind, question, "yes" if same else "no", *two)
