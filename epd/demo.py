@@ -39,9 +39,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "questions_per_picture=3 or shape.vision_hidden=96; repeatable",
     )  # fmt: skip
     train.add_argument(
-        "--threads", type=int, default=1, help="torch threads (default 1: pictures are drawn on "
-        "a second thread meanwhile, so one is two cores' worth; on a shared machine one torch "
-        "thread is several times faster than two)",
+        "--workers", type=int,
+        help="training processes in data parallel, each on its share of every batch (default: "
+        "the recipe's, 2; the result depends on it, not on the machine's cores)",
+    )  # fmt: skip
+    train.add_argument(
+        "--threads", type=int, default=1, help="torch threads per worker (default 1: each "
+        "worker draws its next pictures on a second thread meanwhile; the tensors are too "
+        "small for two threads to beat one)",
     )  # fmt: skip
     train.add_argument(
         "--eval", type=int, default=HELD_OUT, metavar="N",
@@ -97,8 +102,11 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, rope_theta=args.rope_theta)
     if args.tower_steps is not None:
         settings = dataclasses.replace(settings, tower_steps=args.tower_steps)
+    if args.workers:
+        settings = dataclasses.replace(settings, workers=args.workers)
     try:
         settings = train.with_overrides(settings, args.set)
+        train.validate(settings)
     except ValueError as e:
         print(f"epd train-demo: --set {e}", file=sys.stderr)
         return 2
@@ -108,7 +116,8 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
     print(
         f"training the vision tower alone {settings.tower_steps} steps of "
         f"{settings.tower_batch} pictures, then the whole model {settings.steps} steps of "
-        f"{settings.batch_size} samples, on {torch.get_num_threads()} thread(s)",
+        f"{settings.batch_size} samples, in {settings.workers} worker process(es) of "
+        f"{torch.get_num_threads()} thread(s)",
         flush=True,
     )
     start = time.monotonic()

@@ -26,6 +26,7 @@ from models.demo.train import (
     PackedCausalAttention,
     PackedMetadata,
     TrainSettings,
+    _share,
     evaluate,
     forward_loss,
     token_labels,
@@ -200,9 +201,10 @@ SMALL = replace(
 
 
 def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
+    # Two workers (the recipe's): the progress is the first's, once a step.
     settings = TrainSettings(
         steps=6, batch_size=4, warmup=1, lr=1e-2, tower_steps=4, tower_batch=4,
-        drawn_labels=True, aux_background_weight=0.3, shape=SMALL,
+        drawn_labels=True, aux_background_weight=0.3, shape=SMALL, workers=2,
     )  # fmt: skip
     losses = []
     out = train(
@@ -238,7 +240,7 @@ def test_questions_about_one_picture_share_its_scene_and_pixels():
 def test_a_frozen_tower_keeps_its_phase_weights_while_the_lm_learns(tmp_path):
     settings = TrainSettings(
         steps=3, batch_size=4, warmup=1, tower_steps=2, tower_batch=2, freeze_tower=True,
-        shape=SMALL,
+        shape=SMALL, workers=1,
     )  # fmt: skip
     saved = []
 
@@ -278,6 +280,9 @@ def test_training_keeps_freed_memory_for_reuse():
 def test_cli_train_demo_refuses_an_unknown_setting(tmp_path, capsys):
     assert epd_main(["train-demo", str(tmp_path / "m"), "--set", "nope=1"]) == 2
     assert "nope=1" in capsys.readouterr().err
+    for bad in ("workers=0",):
+        assert epd_main(["train-demo", str(tmp_path / "m"), "--set", bad]) == 2
+        assert bad.partition("=")[0] in capsys.readouterr().err
 
 
 def test_a_shared_picture_is_encoded_once_with_the_same_loss(tmp_path):
@@ -312,9 +317,12 @@ def test_a_shared_picture_is_encoded_once_with_the_same_loss(tmp_path):
 
 
 def test_partial_checkpoints_are_evaluated_without_changing_the_training(tmp_path):
+    # Two workers: the same settings give the same bytes (the gradients' mean is exact: both
+    # workers add the same two tensors).
     settings = TrainSettings(
-        steps=4, batch_size=2, warmup=1, tower_steps=1, tower_batch=2, rope_theta=100.0, shape=SMALL
-    )
+        steps=4, batch_size=4, warmup=1, tower_steps=1, tower_batch=2, rope_theta=100.0,
+        shape=SMALL, workers=2,
+    )  # fmt: skip
     seen = []
 
     def on_save(step: int) -> None:
@@ -327,6 +335,24 @@ def test_partial_checkpoints_are_evaluated_without_changing_the_training(tmp_pat
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert load_arch_config(a).text.rope_theta == 100.0
     assert load_arch_config(tmp_path / "b").text.rope_theta == 100.0
+
+
+def test_workers_share_each_batch_in_whole_pictures():
+    pictures = range(1_000_000, 1_000_032, 2)  # 16 pictures, 2 questions each
+    for workers in (1, 2, 3):
+        shares = [list(_share(pictures, rank, workers)) for rank in range(workers)]
+        assert [p for share in shares for p in share] == list(pictures)
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_a_failing_worker_stops_training_instead_of_hanging(tmp_path):
+    settings = TrainSettings(steps=3, batch_size=4, warmup=1, tower_steps=0, shape=SMALL, workers=2)
+
+    def on_save(step: int) -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        train(tmp_path / "m", settings, save_every=1, on_save=on_save)
 
 
 # -- the shipped model -------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import json
 import math
 import random
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
@@ -133,6 +135,11 @@ class TrainSettings:
     questions_per_picture: int = 2
     # The tower's (and its auxiliary head's) learning rate in the joint phase; None: lr.
     vision_lr: float | None = 5e-3
+    # Processes that train in data parallel, each on its share of every batch (whole pictures
+    # with their questions) with its own torch threads; their gradients are averaged every
+    # step (gloo on loopback). Part of the recipe, like the batch size: the result depends on
+    # it, not on the machine. Two: small tensors keep one process from using two cores.
+    workers: int = 2
     shape: Shape = field(default=DEMO_SHAPE)
 
 
@@ -510,10 +517,65 @@ def train(
     """Write a trained checkpoint into `out` (created) and return it. `progress(step, steps,
     loss, batch accuracy)` is called after every step; the weights are also saved every
     `save_every` joint steps (0: only at the end), and `on_save(joint steps done)` is called
-    after each of those saves (to evaluate the partial checkpoint)."""
+    after each of those saves (to evaluate the partial checkpoint). With settings.workers > 1
+    this process is worker 0 (it saves and reports) and starts the others, each with this
+    process's torch thread count."""
     settings = settings or TrainSettings()
     out = Path(out)
     write_config(out, settings.shape, settings.rope_theta)
+    validate(settings)  # before any worker starts
+    if settings.workers == 1:
+        _train(out, settings, progress, save_every, on_save)
+        return out
+    with tempfile.TemporaryDirectory(prefix="epd-train-") as tmp:
+        store = f"file://{Path(tmp) / 'store'}"
+        spawn = torch.multiprocessing.get_context("spawn")
+        threads = torch.get_num_threads()
+        others = [
+            spawn.Process(target=_worker, args=(out, settings, rank, store, threads), daemon=True)
+            for rank in range(1, settings.workers)
+        ]
+        for p in others:
+            p.start()
+        try:
+            dist.init_process_group("gloo", init_method=store, rank=0, world_size=settings.workers)
+            _train(out, settings, progress, save_every, on_save)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            for p in others:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        failed = [(i + 1, p.exitcode) for i, p in enumerate(others) if p.exitcode != 0]
+        if failed:
+            raise RuntimeError(f"training workers failed (worker, exit code): {failed}")
+    return out
+
+
+def _worker(out: Path, settings: TrainSettings, rank: int, store: str, threads: int) -> None:
+    """A training process other than the first: trains its share of every batch; saves
+    nothing (worker 0 does)."""
+    torch.set_num_threads(threads)
+    keep_freed_memory()
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=settings.workers)
+    try:
+        _train(out, settings)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(
+    out: Path,
+    settings: TrainSettings,
+    progress: Callable[[int, int, float, float], None] | None = None,
+    save_every: int = 0,
+    on_save: Callable[[int], None] | None = None,
+) -> None:
+    """The training of one worker (all of it when there is one): the config is written."""
+    rank, workers = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    progress, on_save = (progress, on_save) if rank == 0 else (None, None)
     arch = load_arch_config(out)
     torch.manual_seed(settings.seed)
     tower = VisionTower(arch.vision)
@@ -550,13 +612,15 @@ def train(
     lm.train()
 
     def batch_of(step: int) -> list[Example]:
+        """This worker's share of the step's samples: whole pictures with their questions."""
         first = TRAIN_SEED_BASE + step * settings.batch_size
         seeds = range(first, first + settings.batch_size)
-        if settings.questions_per_picture == 1:
-            return [encoder.example(scenes.sample(s), settings.drawn_labels) for s in seeds]
-        out: list[Example] = []
         per = settings.questions_per_picture
-        for s in seeds[::per]:
+        pictures = _share(seeds[::per], rank, workers)
+        if per == 1:
+            return [encoder.example(scenes.sample(s), settings.drawn_labels) for s in pictures]
+        out: list[Example] = []
+        for s in pictures:
             processed: dict[bytes, ProcessedMedia] = {}
             for sample in scenes.questions(s, min(per, seeds.stop - s)):
                 out.append(encoder.example(sample, settings.drawn_labels, processed))
@@ -576,18 +640,45 @@ def train(
             settings.lm_aux_weight,
             settings.aux_background_weight,
         )
-        _update(loss, optimizer, schedule, params)
+        loss_value, accuracy = _update(loss, optimizer, schedule, params, right, len(batch))
         if progress:
-            progress(settings.tower_steps + step + 1, total, loss.item(), int(right) / len(batch))
+            progress(settings.tower_steps + step + 1, total, loss_value, accuracy)
         if save_every and (step + 1) % save_every == 0 and step + 1 < settings.steps:
-            save_weights(out, tower, lm)
+            if rank == 0:
+                save_weights(out, tower, lm)
             if on_save:
                 # Evaluation builds modules (their initialisation draws from the global
                 # generator): fork it so that training goes on with the same numbers.
                 with torch.random.fork_rng():
                     on_save(step + 1)
-    save_weights(out, tower, lm)
-    return out
+    _check_same_weights(params)
+    if rank == 0:
+        save_weights(out, tower, lm)
+
+
+def validate(settings: TrainSettings) -> None:
+    """Raise ValueError for settings no training can run with."""
+    if settings.workers < 1:
+        raise ValueError(f"workers: at least 1, got {settings.workers}")
+
+
+def _share(items: Sequence[Any], rank: int, workers: int) -> Sequence[Any]:
+    """Worker `rank`'s contiguous part of `items` (the parts differ by at most one)."""
+    return items[rank * len(items) // workers : (rank + 1) * len(items) // workers]
+
+
+def _check_same_weights(params: list[torch.nn.Parameter]) -> None:
+    """Every worker holds worker 0's weights (the same averaged gradients, the same
+    optimizer): a difference would mean they trained apart, and is an error."""
+    if not dist.is_initialized():
+        return
+    mine = torch.cat([p.detach().reshape(-1) for p in params])
+    first = mine.clone()
+    dist.broadcast(first, 0)
+    differ = torch.tensor([float(not torch.equal(mine, first))])
+    dist.all_reduce(differ)
+    if differ.item():
+        raise RuntimeError(f"{int(differ.item())} training worker(s) ended with other weights")
 
 
 def pretrain_tower(
@@ -607,9 +698,11 @@ def pretrain_tower(
     schedule = _warmup_cosine(optimizer, steps, max(1, steps // 20), settings.min_lr)
     merge = tower.config.spatial_merge_size
 
+    rank, workers = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
     def batch_of(step: int) -> list[tuple[ProcessedMedia, torch.Tensor]]:
         out = []
-        for i in range(settings.tower_batch):
+        for i in _share(range(settings.tower_batch), rank, workers):
             rng = random.Random(TOWER_SEED_BASE + step * settings.tower_batch + i)
             picture, placed = scenes.draw(scenes.random_scene(rng), rng.getrandbits(32))
             media = encoder.processor.process_image(scenes.png(picture))
@@ -627,9 +720,9 @@ def pretrain_tower(
             torch.cat([labels for _, labels in batch]),
             settings.aux_background_weight,
         )
-        _update(loss, optimizer, schedule, params)
+        loss_value, accuracy = _update(loss, optimizer, schedule, params, right, 1)
         if progress:
-            progress(step + 1, total, loss.item(), float(right))
+            progress(step + 1, total, loss_value, accuracy)
 
 
 def _prefetched(batch_of: Callable[[int], Any], steps: int) -> Iterator[Any]:
@@ -682,12 +775,32 @@ def _update(
     optimizer: torch.optim.Optimizer,
     schedule: torch.optim.lr_scheduler.LRScheduler,
     params: list[torch.nn.Parameter],
-) -> None:
+    right: torch.Tensor,
+    count: int,
+) -> tuple[float, float]:
+    """One optimizer step; with several workers, on the mean of their gradients. Returns the
+    loss (the workers' mean) and right / count (summed over the workers)."""
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    if dist.is_initialized():
+        workers = dist.get_world_size()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        # One call for everything: the gradients and the figures reported.
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)])
+        flat = torch.cat([flat, torch.tensor([float(right), float(count)])])
+        dist.all_reduce(flat)
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            p.grad = flat[offset : offset + g.numel()].view_as(p).div_(workers)
+            offset += g.numel()
+        loss_value, right_sum, count_sum = (flat[offset] / workers).item(), *flat[offset + 1 :]
+        accuracy = float(right_sum / count_sum)
+    else:
+        loss_value, accuracy = loss.item(), float(right) / count
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     optimizer.step()
     schedule.step()
+    return loss_value, accuracy
 
 
 def _init(module: torch.nn.Module) -> None:
