@@ -235,6 +235,10 @@ def test_questions_about_one_picture_share_its_scene_and_pixels():
     for q in qs:
         assert q == scenes.sample(1_000_123, q.kind)
     assert len(scenes.questions(7, 99)) == len(scenes.QUESTION_WEIGHTS)
+    # Training may ask some kinds more often than the held-out set does, or never.
+    only = {"where": 3, "colour": 1}
+    asked = {q.kind for seed in range(50) for q in scenes.questions(seed, 2, only)}
+    assert asked == {"where", "colour"}
 
 
 def test_a_frozen_tower_keeps_its_phase_weights_while_the_lm_learns(tmp_path):
@@ -280,7 +284,7 @@ def test_training_keeps_freed_memory_for_reuse():
 def test_cli_train_demo_refuses_an_unknown_setting(tmp_path, capsys):
     assert epd_main(["train-demo", str(tmp_path / "m"), "--set", "nope=1"]) == 2
     assert "nope=1" in capsys.readouterr().err
-    for bad in ("workers=0",):
+    for bad in ("question_weights=1,2", "workers=0"):
         assert epd_main(["train-demo", str(tmp_path / "m"), "--set", bad]) == 2
         assert bad.partition("=")[0] in capsys.readouterr().err
 

@@ -347,15 +347,18 @@ def sample(seed: int, kind: QuestionKind | None = None) -> Sample:
     return Sample(kind, question, (scene, other)[which].describe(), *two)
 
 
-def questions(seed: int, count: int) -> list[Sample]:
-    """`count` questions of different kinds (weighted as QUESTION_WEIGHTS) about seed's
-    picture: sample(seed, kind) draws the same scene and picture whatever the kind."""
+def questions(
+    seed: int, count: int, weights: dict[QuestionKind, int] | None = None
+) -> list[Sample]:
+    """`count` questions of different kinds (weighted as `weights`, by default
+    QUESTION_WEIGHTS) about seed's picture: sample(seed, kind) draws the same scene and
+    picture whatever the kind."""
     rng = random.Random(seed * 7919 + 11)
-    kinds = list(QUESTION_WEIGHTS)
-    weights = [QUESTION_WEIGHTS[k] for k in kinds]
+    weights = QUESTION_WEIGHTS if weights is None else weights
+    kinds = [k for k in QUESTION_WEIGHTS if weights.get(k, 0) > 0]
     chosen: list[QuestionKind] = []
     while len(chosen) < min(count, len(kinds)):
-        kind = rng.choices(kinds, weights)[0]
+        kind = rng.choices(kinds, [weights[k] for k in kinds])[0]
         if kind not in chosen:
             chosen.append(kind)
     return [sample(seed, kind) for kind in chosen]

@@ -133,6 +133,9 @@ class TrainSettings:
     # questions_per_picture pictures): the tower runs once per picture and its tokens serve
     # every question about it, so the LM gets more answers per picture drawn and encoded.
     questions_per_picture: int = 2
+    # How often each kind of question is asked in training, in scenes.QUESTION_WEIGHTS'
+    # order (describe, colour, count, where, which, same); empty: as in the held-out set.
+    question_weights: tuple[int, ...] = ()
     # The tower's (and its auxiliary head's) learning rate in the joint phase; None: lr.
     vision_lr: float | None = 5e-3
     # Processes that train in data parallel, each on its share of every batch (whole pictures
@@ -611,18 +614,20 @@ def _train(
     tower.train(not frozen)
     lm.train()
 
+    weights = _question_weights(settings)
+
     def batch_of(step: int) -> list[Example]:
         """This worker's share of the step's samples: whole pictures with their questions."""
         first = TRAIN_SEED_BASE + step * settings.batch_size
         seeds = range(first, first + settings.batch_size)
         per = settings.questions_per_picture
         pictures = _share(seeds[::per], rank, workers)
-        if per == 1:
+        if per == 1 and not weights:
             return [encoder.example(scenes.sample(s), settings.drawn_labels) for s in pictures]
         out: list[Example] = []
         for s in pictures:
             processed: dict[bytes, ProcessedMedia] = {}
-            for sample in scenes.questions(s, min(per, seeds.stop - s)):
+            for sample in scenes.questions(s, min(per, seeds.stop - s), weights):
                 out.append(encoder.example(sample, settings.drawn_labels, processed))
         return out
 
@@ -660,6 +665,18 @@ def validate(settings: TrainSettings) -> None:
     """Raise ValueError for settings no training can run with."""
     if settings.workers < 1:
         raise ValueError(f"workers: at least 1, got {settings.workers}")
+    _question_weights(settings)
+
+
+def _question_weights(settings: TrainSettings) -> dict[scenes.QuestionKind, int] | None:
+    if not settings.question_weights:
+        return None
+    if len(settings.question_weights) != len(scenes.QUESTION_WEIGHTS):
+        raise ValueError(
+            f"question_weights: {len(scenes.QUESTION_WEIGHTS)} weights, one per kind "
+            f"{tuple(scenes.QUESTION_WEIGHTS)}, got {settings.question_weights}"
+        )
+    return dict(zip(scenes.QUESTION_WEIGHTS, settings.question_weights, strict=True))
 
 
 def _share(items: Sequence[Any], rank: int, workers: int) -> Sequence[Any]:
