@@ -577,7 +577,8 @@ def _train(
     save_every: int = 0,
     on_save: Callable[[int], None] | None = None,
 ) -> None:
-    """The training of one worker (all of it when there is one): the config is written."""
+    """One worker's training (the whole of it when there is one worker), into `out`, where
+    the config is already written."""
     rank, workers = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     progress, on_save = (progress, on_save) if rank == 0 else (None, None)
     arch = load_arch_config(out)
@@ -804,8 +805,8 @@ def _update(
         workers = dist.get_world_size()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         # One call for everything: the gradients and the figures reported.
-        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)])
-        flat = torch.cat([flat, torch.tensor([float(right), float(count)])])
+        figures = torch.tensor([loss.item(), float(right), float(count)])
+        flat = torch.cat([*(g.reshape(-1) for g in grads), figures])
         dist.all_reduce(flat)
         offset = 0
         for p, g in zip(params, grads, strict=True):
