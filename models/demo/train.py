@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import random
 import sys
 import tempfile
@@ -568,6 +569,12 @@ def _worker(out: Path, settings: TrainSettings, rank: int, store: str, threads: 
         _train(out, settings)
     finally:
         dist.destroy_process_group()
+    # Done, and every worker past the last barrier: leave without the interpreter's teardown,
+    # where gloo's threads were seen to abort the process now and then (SIGABRT, "terminate
+    # called without an active exception") after a whole, correct training.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _train(
@@ -661,6 +668,10 @@ def _train(
     _check_same_weights(params)
     if rank == 0:
         save_weights(out, tower, lm)
+    if workers > 1:
+        # Nobody tears its connections down while another still talks over them (a worker
+        # leaving as worker 0 saved was seen to abort in gloo's teardown).
+        dist.barrier()
 
 
 def validate(settings: TrainSettings) -> None:
