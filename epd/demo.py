@@ -106,9 +106,13 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, workers=args.workers)
     try:
         settings = train.with_overrides(settings, args.set)
-        train.validate(settings)
     except ValueError as e:
         print(f"epd train-demo: --set {e}", file=sys.stderr)
+        return 2
+    try:
+        train.validate(settings)
+    except ValueError as e:  # from --workers as well as --set
+        print(f"epd train-demo: {e}", file=sys.stderr)
         return 2
     if not train.keep_freed_memory():
         print("epd train-demo: not glibc's malloc: freed memory goes back to the kernel and "

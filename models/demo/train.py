@@ -586,7 +586,7 @@ def _train(
 ) -> None:
     """One worker's training (the whole of it when there is one worker), into `out`, where
     the config is already written."""
-    rank, workers = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, workers = _rank_and_workers()
     progress, on_save = (progress, on_save) if rank == 0 else (None, None)
     arch = load_arch_config(out)
     torch.manual_seed(settings.seed)
@@ -692,6 +692,11 @@ def _question_weights(settings: TrainSettings) -> dict[scenes.QuestionKind, int]
     return dict(zip(scenes.QUESTION_WEIGHTS, settings.question_weights, strict=True))
 
 
+def _rank_and_workers() -> tuple[int, int]:
+    """This worker's number and how many train (0, 1 without a process group)."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 def _share(items: Sequence[Any], rank: int, workers: int) -> Sequence[Any]:
     """Worker `rank`'s contiguous part of `items` (the parts differ by at most one)."""
     return items[rank * len(items) // workers : (rank + 1) * len(items) // workers]
@@ -728,7 +733,7 @@ def pretrain_tower(
     schedule = _warmup_cosine(optimizer, steps, max(1, steps // 20), settings.min_lr)
     merge = tower.config.spatial_merge_size
 
-    rank, workers = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, workers = _rank_and_workers()
 
     def batch_of(step: int) -> list[tuple[ProcessedMedia, torch.Tensor]]:
         out = []
