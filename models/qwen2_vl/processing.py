@@ -356,18 +356,33 @@ def _pixel_values(
     for frame in frames:
         if frame.size != (width, height):
             frame = frame.resize((width, height), resample=Image.Resampling(cfg.resample))
-        x = np.asarray(frame)  # [H, W, 3] uint8
-        if cfg.do_rescale:
-            # NOTE: float64 multiply then float32, exactly as the reference rounds.
-            x = (x.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-        else:
-            x = x.astype(np.float32)
-        if cfg.do_normalize:
-            mean = np.asarray(cfg.image_mean, dtype=np.float32)
-            std = np.asarray(cfg.image_std, dtype=np.float32)
-            x = (x - mean) / std
-        arrays.append(x)
-    return torch.from_numpy(patchify(np.stack(arrays), cfg))
+        arrays.append(np.asarray(frame))  # [H, W, 3] uint8
+    # Patches are cut from the bytes (a quarter of the float32 data to move), then each byte
+    # becomes its channel's value through a table: the same float32 numbers as computing
+    # them pixel by pixel.
+    patches = patchify(np.stack(arrays), cfg)  # [N, C * T * P * P] uint8, channel first
+    channels = patches.shape[1] // (cfg.temporal_patch_size * cfg.patch_size**2)
+    table = _value_table(cfg, channels)  # [C, 256]
+    by_channel = patches.reshape(len(patches), channels, -1)
+    values = np.empty(by_channel.shape, np.float32)
+    for c in range(channels):
+        np.take(table[c], by_channel[:, c], out=values[:, c])
+    return torch.from_numpy(values.reshape(patches.shape))
+
+
+def _value_table(cfg: ProcessorConfig, channels: int) -> np.ndarray:
+    """[channels, 256] float32: each byte value's rescaled, normalized value per channel."""
+    x = np.repeat(np.arange(256, dtype=np.uint8)[:, None], channels, axis=1)  # [256, C]
+    if cfg.do_rescale:
+        # NOTE: float64 multiply then float32, exactly as the reference rounds.
+        x = (x.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
+    else:
+        x = x.astype(np.float32)
+    if cfg.do_normalize:
+        mean = np.asarray(cfg.image_mean, dtype=np.float32)
+        std = np.asarray(cfg.image_std, dtype=np.float32)
+        x = (x - mean) / std
+    return np.ascontiguousarray(x.T)
 
 
 def patchify(frames: np.ndarray, cfg: ProcessorConfig) -> np.ndarray:
