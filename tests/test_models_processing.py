@@ -68,6 +68,16 @@ def test_image_equals_reference(processor, width, height, mode, fmt):
     assert header.num_tokens == np.prod(want_grid) // 4 == want_pixels.shape[0] // 4
 
 
+def test_a_picture_in_memory_equals_its_lossless_encoding(processor):
+    # Training hands its drawn pictures over without the PNG round trip.
+    for width, height, mode in ((517, 311, "RGB"), (29, 57, "RGBA"), (3, 7, "L")):
+        image = random_image(width, height, mode, seed=width)
+        got = processor.process_picture(image)
+        want = processor.process_image(encode(image, "PNG"))
+        assert got.grid == want.grid
+        assert np.array_equal(got.pixel_values.numpy(), want.pixel_values.numpy())
+
+
 def test_default_limits_and_checkpoint_config(tmp_path):
     # The real default budget (28*28*1280) on a photo-sized image, and the settings read from a
     # checkpoint's preprocessor_config.json against the reference reading the same file.

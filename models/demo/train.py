@@ -740,7 +740,7 @@ def pretrain_tower(
         for i in _share(range(settings.tower_batch), rank, workers):
             rng = random.Random(TOWER_SEED_BASE + step * settings.tower_batch + i)
             picture, placed = scenes.draw(scenes.random_scene(rng), rng.getrandbits(32))
-            media = encoder.processor.process_image(scenes.png(picture))
+            media = encoder.processor.process_picture(picture)
             out.append((media, token_labels(placed, media.grid.grid_thw, merge)))
         return out
 

@@ -210,6 +210,15 @@ class MediaProcessor:
         cfg = self._config("image", kwargs)
         return ProcessedMedia(grid, _pixel_values([self._decode(data)], grid, cfg))
 
+    def process_picture(
+        self, image: Image.Image, kwargs: dict[str, Any] | None = None
+    ) -> ProcessedMedia:
+        """process_image of a picture already in memory (training draws its own): the same
+        pixels as its lossless encoding would give, without the encode and decode."""
+        cfg = self._config("image", kwargs)
+        grid = self._grid("image", 1, image.height, image.width, cfg)
+        return ProcessedMedia(grid, _pixel_values([to_rgb(image)], grid, cfg))
+
     def process_video(
         self, frames: Sequence[bytes], fps: float, kwargs: dict[str, Any] | None = None
     ) -> ProcessedMedia:
