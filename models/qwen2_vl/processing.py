@@ -206,18 +206,19 @@ class MediaProcessor:
     # -- full preprocessing --------------------------------------------------------------------
 
     def process_image(self, data: bytes, kwargs: dict[str, Any] | None = None) -> ProcessedMedia:
-        grid = self.image_grid(data, kwargs)
         cfg = self._config("image", kwargs)
-        return ProcessedMedia(grid, _pixel_values([self._decode(data)], grid, cfg))
+        return self._image_media(self._decode(data), cfg)  # _decode checks the header first
 
     def process_picture(
         self, image: Image.Image, kwargs: dict[str, Any] | None = None
     ) -> ProcessedMedia:
         """process_image of a picture already in memory (training draws its own): the same
         pixels as its lossless encoding would give, without the encode and decode."""
-        cfg = self._config("image", kwargs)
-        grid = self._grid("image", 1, image.height, image.width, cfg)
-        return ProcessedMedia(grid, _pixel_values([to_rgb(image)], grid, cfg))
+        return self._image_media(to_rgb(image), self._config("image", kwargs))
+
+    def _image_media(self, rgb: Image.Image, cfg: ProcessorConfig) -> ProcessedMedia:
+        grid = self._grid("image", 1, rgb.height, rgb.width, cfg)
+        return ProcessedMedia(grid, _pixel_values([rgb], grid, cfg))
 
     def process_video(
         self, frames: Sequence[bytes], fps: float, kwargs: dict[str, Any] | None = None
