@@ -184,9 +184,8 @@ class EncodeDispatcher:
     async def _dispatch(self, items: list[PreparedItem], deadline: float) -> None:
         groups: dict[str, list[PreparedItem]] = defaultdict(list)
         assigned: dict[str, int] = defaultdict(int)
-        usable = [w for w in self.pool.workers.values() if w.usable()]
-        if not usable:
-            usable = await self._wait_for_worker(deadline)
+        # Briefly wait for an encoder to come up (a restart, a registration).
+        usable = await self.pool.wait_for(self.pool.usable, min(deadline - time.monotonic(), 2.0))
         if not usable:
             self._fail(items, Unavailable("no encoder worker is available"))
             return
@@ -256,15 +255,6 @@ class EncodeDispatcher:
                     future.set_exception(Unavailable(result.error.message))
             else:
                 future.set_result(result)
-
-    async def _wait_for_worker(self, deadline: float) -> list[Worker]:
-        """Briefly wait for an encoder to come up (a restart, a registration)."""
-        wait = min(deadline - time.monotonic(), 2.0)
-        if wait > 0:
-            self.pool.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.pool.changed.wait(), wait)
-        return [w for w in self.pool.workers.values() if w.usable()]
 
     def _fail(self, items: list[PreparedItem], error: Exception) -> None:
         for item in items:

@@ -214,6 +214,12 @@ class Frontend:
             if not same_id:
                 self.running.pop(req.request_id, None)
 
+    def _choose_lm(self, stage, tried, target, chains) -> Worker | None:
+        """The LM worker for this attempt: the stage's (prefill / decode split), else one not
+        tried yet, else any usable one."""
+        worker = self.pd.pick(stage, tried, target, chains) if stage else None
+        return worker or self.pd.pick_any(tried, chains) or self.lms.pick()
+
     async def _attempts(self, req, deadline, encode_watch, running) -> AsyncIterator[Chunk]:
         sent: list[int] = []  # output token ids the client has been sent
         sent_chars = 0  # characters of text the client has been sent
@@ -236,8 +242,8 @@ class Frontend:
             if rope_delta is not None:
                 msg.rope_delta = rope_delta
             stage = self.pd.stage(msg, sent)  # prefill / decode split (proxy/pd.py)
-            worker = self.pd.pick(stage, tried, target, chains) if stage else None
-            worker = worker or self.pd.pick_any(tried, chains) or self.lms.pick()
+            choose = partial(self._choose_lm, stage, tried, target, chains)
+            worker = await self.lms.wait_for(choose, min(deadline - time.monotonic(), 2.0))
             if worker is None:
                 raise Unavailable("no LM worker is available")
             tried.add(worker.address)

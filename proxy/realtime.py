@@ -328,7 +328,7 @@ class RealtimeSession:
         tried: set[str] = set()
         last: SessionError | None = None
         while True:
-            worker = await _pick(pool, tried, "encoder")
+            worker = await _pick(pool, tried)
             if worker is None:
                 self.fail(
                     last or SessionError(grpc.StatusCode.UNAVAILABLE, "no encoder worker is up")
@@ -401,7 +401,7 @@ class RealtimeSession:
         last: SessionError | None = None
         attempt = 0
         while True:
-            worker = await _pick(pool, tried, "LM", realtime_pick)
+            worker = await _pick(pool, tried, realtime_pick)
             if worker is None:
                 self.fail(last or SessionError(grpc.StatusCode.UNAVAILABLE, "no LM worker is up"))
                 return
@@ -446,23 +446,13 @@ class RealtimeSession:
 async def _pick(
     pool: WorkerPool,
     tried: set[str],
-    what: str,
     choose: Callable[[WorkerPool, set[str]], Worker | None] | None = None,
     wait: float = 5.0,
 ) -> Worker | None:
     """A usable worker not tried yet (`choose`'s, else the least loaded), waiting a little for
     one to come up."""
     choose = choose or (lambda p, exclude: p.pick(exclude=exclude))
-    deadline = time.monotonic() + wait
-    while True:
-        worker = choose(pool, tried)
-        if worker is not None or time.monotonic() >= deadline:
-            return worker
-        pool.changed.clear()
-        try:
-            await asyncio.wait_for(pool.changed.wait(), deadline - time.monotonic())
-        except TimeoutError:
-            return choose(pool, tried)
+    return await pool.wait_for(lambda: choose(pool, tried), wait)
 
 
 __all__ = ["Delta", "RealtimeService", "RealtimeSession", "SessionError", "Settings"]

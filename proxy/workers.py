@@ -206,6 +206,20 @@ class WorkerPool:
         """The usable worker with the least queued work (none: None)."""
         return least_loaded(self.usable(exclude))
 
+    async def wait_for(self, choose: Callable[[], Any], wait: float) -> Any:
+        """What `choose()` gives once it gives something, waiting up to `wait` seconds for a
+        worker to come up (a restart, a registration, a proxy that started before its workers
+        listened); None when nothing came."""
+        deadline = time.monotonic() + wait
+        while not (found := choose()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), left)
+        return found
+
     def failed(self, worker: Worker, error: str) -> None:
         worker.breaker.failure()
         worker.last_error = error

@@ -11,6 +11,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,22 @@ from common.process import Child, epd_command, free_port
 from connector import EmbeddedRedis
 from proto import epd_pb2, epd_pb2_grpc
 from tests.helpers import RoleProcess
+
+
+def wait_proxy_sees_workers_serving(
+    health: Callable[[], tuple[int, dict]], timeout: float = 30.0
+) -> None:
+    """Until the proxy's own view (`health()`: /health's status and body) has every worker
+    SERVING: a worker the proxy probed before it listened is UNREACHABLE there until the
+    channel reconnects, though its own health already says SERVING."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = health()
+        workers = [w for r in body.get("roles", {}).values() for w in r["workers"]]
+        if status == 200 and workers and all(w["status"] == "SERVING" for w in workers):
+            return
+        assert time.monotonic() < deadline, f"the proxy does not see its workers: {body}"
+        time.sleep(0.1)
 
 
 def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
@@ -93,22 +110,9 @@ class Cluster:
         self.start("proxy", "proxy", f"127.0.0.1:{self.proxy_grpc}")
         for role in self.roles.values():
             role.wait_status("SERVING", timeout=120)
-        self.wait_proxy_sees_workers_serving()
+        wait_proxy_sees_workers_serving(lambda: self.http("/health"))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.proxy_grpc}")
         self.stub = epd_pb2_grpc.InferenceStub(self.channel)
-
-    def wait_proxy_sees_workers_serving(self, timeout: float = 30.0) -> None:
-        """Until the proxy's own view (/health) has every worker SERVING: a worker the proxy
-        probed before it listened is UNREACHABLE there until the next poll, though its own
-        health already says SERVING."""
-        deadline = time.monotonic() + timeout
-        while True:
-            status, body = self.http("/health")
-            workers = [w for r in body.get("roles", {}).values() for w in r["workers"]]
-            if status == 200 and workers and all(w["status"] == "SERVING" for w in workers):
-                return
-            assert time.monotonic() < deadline, f"the proxy does not see its workers: {body}"
-            time.sleep(0.1)
 
     def start(
         self, kind: str, name: str, address: str, env: dict[str, str] | None = None

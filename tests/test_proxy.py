@@ -471,3 +471,18 @@ def test_bad_videos_are_invalid_argument_naming_the_problem(cluster):
         },
     )
     assert status == 400 and "no video stream" in body["error"]["message"]
+
+
+def test_an_lm_worker_back_after_an_outage_serves_the_first_request(cluster):
+    # Last in the module: it kills the only LM worker for 16 s, long enough that gRPC's default
+    # reconnect backoff (1 s, x1.6 a failure) would leave the proxy blind to it for seconds
+    # after it is back. The client sends as soon as the worker's own health says SERVING.
+    cluster.kill("lm-0")
+    deadline = time.monotonic() + 10
+    while cluster.http("/health")[0] != 503:
+        assert time.monotonic() < deadline, "the proxy still sees the killed LM worker"
+        time.sleep(0.1)
+    time.sleep(16)
+    cluster.start("lm", "lm-0", cluster.lm_address).wait_status("SERVING", timeout=120)
+    tokens, last = cluster.generate("Back up", max_tokens=3)
+    assert len(tokens) == 3 and last.usage.completion_tokens == 3

@@ -42,7 +42,7 @@ from proto import epd_pb2, epd_pb2_grpc
 from proxy.auth import KeyRing, Unauthenticated, read_keys_file
 from proxy.prepare import mm_hash
 from tests.certs import CA
-from tests.cluster_helpers import image_bytes
+from tests.cluster_helpers import image_bytes, wait_proxy_sees_workers_serving
 from tests.helpers import RoleProcess, sign
 
 MAX_TOKENS = 8
@@ -108,6 +108,7 @@ class SecureCluster:
         ]
         self.tls = load_config(self.config_path).cluster.tls
         self._wait()
+        wait_proxy_sees_workers_serving(lambda: self.https("/health")[:2])
         self.channel = self.client_channel()
         self.stub = epd_pb2_grpc.InferenceStub(self.channel)
 
