@@ -10,7 +10,10 @@ the family's special tokens and chat template, `Qwen2_5_VLForConditionalGenerati
 bf16. Training runs the serving model's own modules: the vision tower's differentiable
 `forward` and the LM with `PackedCausalAttention`, a backend that attends causally within each
 whole sequence of a packed batch (no KV cache). The loss is the answer's tokens (and the
-closing <|im_end|>) given the chat prompt as the proxy renders it.
+closing <|im_end|>) given the chat prompt as the proxy renders it, plus training-only
+auxiliary losses: per vision token the shape there (heads not saved), and attention
+supervision (`AttentionProbe`: a question's last row first reads the words that name a shape,
+then that shape's tokens).
 
 Deterministic: training samples are scenes.sample(TRAIN_SEED_BASE + i), the held-out set is
 scenes.sample(0 .. 499), and weights start from torch.manual_seed(settings.seed); the same
@@ -145,6 +148,17 @@ class TrainSettings:
     # step (gloo on loopback). Part of the recipe, like the batch size: the result depends on
     # it, not on the machine. Two: small tensors keep one process from using two cores.
     workers: int = 2
+    # Attention supervision (training only; 0 turns it off): at each row whose next token
+    # names one shape of a picture (its colour or kind in an answer; a "where" question's first
+    # answer token), the query heads `attn_heads` of the layers `attn_layers` are pulled onto
+    # that shape's vision tokens (the loss: -log of their attention weight there, times
+    # attn_weight). Before that the last prompt row must fetch the question's words that name
+    # the shape (a colour question's kind, a "which" question's colour, a "where" question's
+    # both): in the layers `attn_fetch_layers` the same heads are pulled onto those words.
+    attn_weight: float = 1.0
+    attn_layers: tuple[int, ...] = (1, 2)
+    attn_heads: tuple[int, ...] = (0, 1)
+    attn_fetch_layers: tuple[int, ...] = (0,)
     shape: Shape = field(default=DEMO_SHAPE)
 
 
@@ -247,8 +261,33 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 @dataclass(frozen=True)
+class AttentionProbe:
+    """Which queries should attend where (attention supervision): per supervised row of the
+    packed step, the keys it may see (its sequence, causally) and the keys it should attend
+    to; the backend appends each supervised layer's loss to `losses`."""
+
+    layers: tuple[int, ...]
+    heads: tuple[int, ...]  # query heads
+    rows: torch.Tensor  # [Q] packed token index of each supervised query
+    allowed: torch.Tensor  # [Q, T] bool
+    targets: torch.Tensor  # [Q, T] bool
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+    def add_loss(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """-log of the attention weight the heads put on the targets, averaged ([T, heads,
+        head_dim] q and k, kv heads already repeated)."""
+        heads = list(self.heads)
+        qh, kh = q[self.rows][:, heads], k[:, heads]
+        logits = torch.einsum("qhd,thd->qht", qh, kh) * qh.shape[-1] ** -0.5
+        logp = logits.masked_fill(~self.allowed[:, None], float("-inf")).log_softmax(-1)
+        on = logp.masked_fill(~self.targets[:, None], float("-inf")).logsumexp(-1)
+        self.losses.append(-on.mean())
+
+
+@dataclass(frozen=True)
 class PackedMetadata:
     seq_lens: tuple[int, ...]  # tokens per sequence, packed back to back
+    probes: tuple[AttentionProbe, ...] = ()
 
 
 class PackedCausalAttention:
@@ -272,6 +311,9 @@ class PackedCausalAttention:
     ) -> torch.Tensor:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        for probe in attn_metadata.probes:
+            if layer_idx in probe.layers:
+                probe.add_loss(q, k)
         outs, tokens = [], []
         if self._last[0] != attn_metadata.seq_lens:
             self._last = (attn_metadata.seq_lens, list(self._groups(attn_metadata.seq_lens)))
@@ -320,6 +362,11 @@ class Example:
     # Per media item, per vision token: the colour, kind and place (1-based; 0: background)
     # of the shape whose place the token covers (the auxiliary losses' targets).
     token_labels: list[torch.Tensor] = field(default_factory=list)  # each [tokens, 3]
+    # (row, media index, kind label): the row's next token names that picture's shape of
+    # that kind (1-based, as in token_labels); attention supervision's targets.
+    lookups: list[tuple[int, int, int]] = field(default_factory=list)
+    # (row, the question's tokens that name the shape the answer is about).
+    fetches: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 class Encoder:
@@ -367,7 +414,50 @@ class Encoder:
             grid = m.grid.grid_thw
             labels = token_labels(placed, grid, 2) if drawn_labels else place_labels(scene, grid, 2)
             example.token_labels.append(labels)
+        example.lookups = self.lookups(sample, example)
+        example.fetches = self.fetches(sample, example)
         return example
+
+    def fetches(self, sample: scenes.Sample, example: Example) -> list[tuple[int, list[int]]]:
+        """Example.fetches: the last prompt row of a question naming one shape, and the
+        question's tokens that name it (after the pictures)."""
+        named = {
+            "colour": lambda q: [k for k in scenes.KINDS if f" {k}?" in q],
+            "which": lambda q: [c for c in scenes.COLOURS if f" {c}?" in q],
+            "where": lambda q: q.removesuffix("?").split()[-2:],
+        }.get(sample.kind)
+        if named is None:
+            return []
+        words = set(named(sample.question))
+        after = max(s.offset for s in example.spans)
+        tokens = [
+            j
+            for j in range(after, example.num_prompt)
+            if self.tokenizer.decode([example.token_ids[j]]).strip() in words
+        ]
+        return [(example.num_prompt - 1, tokens)] if tokens else []
+
+    def lookups(self, sample: scenes.Sample, example: Example) -> list[tuple[int, int, int]]:
+        """Example.lookups: each answer token that is a colour or a kind names one shape of
+        the picture the answer is about (a scene's shapes differ in both); a "where"
+        question's first answer token is about the shape it names."""
+        if sample.question.startswith("What is in the "):  # one of two pictures
+            image = next(i for i, o in enumerate(scenes.ORDINALS) if f" {o} " in sample.question)
+        elif len(sample.scenes) == 1:
+            image = 0
+        else:
+            return []  # same scene or not: about both
+        shapes = sample.scenes[image].shapes
+        out = []
+        if sample.kind == "where":
+            shape = next(s for s in shapes if f" {s.kind}?" in sample.question)
+            out.append((example.num_prompt - 1, image, 1 + scenes.KINDS.index(shape.kind)))
+        for j in range(example.num_prompt, len(example.token_ids)):
+            word = self.tokenizer.decode([example.token_ids[j]]).strip()
+            for shape in shapes:
+                if word in (shape.kind, shape.colour):
+                    out.append((j - 1, image, 1 + scenes.KINDS.index(shape.kind)))
+        return out
 
 
 def place_labels(scene: scenes.Scene, grid_thw: tuple[int, int, int], merge: int) -> torch.Tensor:
@@ -450,9 +540,11 @@ def forward_loss(
     aux_weight: float = AUX_WEIGHT,
     lm_aux_weight: float = 0.0,
     aux_background_weight: float = 1.0,
+    attn: tuple[float, tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy of the answers' tokens (plus, with `aux_head` / `lm_aux_head`, the
-    auxiliary losses), and how many answers were all right."""
+    auxiliary losses; with `attn` (weight, lookup layers, heads, fetch layers), attention
+    supervision), and how many answers were all right."""
     # Each picture once through the tower, however many questions ask about it.
     unique: dict[int, int] = {}  # id(media) -> its index in `media`
     media: list[ProcessedMedia] = []
@@ -490,7 +582,8 @@ def forward_loss(
             owners.append(i)
         start += len(e.token_ids)
     x = lm.embed_input_ids(ids, embeds, is_mm)
-    metadata = PackedMetadata(tuple(len(e.token_ids) for e in batch))
+    probes = _probes(batch, *attn[1:]) if attn and attn[0] else ()
+    metadata = PackedMetadata(tuple(len(e.token_ids) for e in batch), probes)
     hidden = lm(None, torch.cat(positions, dim=1), inputs_embeds=x, attn_metadata=metadata)
     if lm_aux_head is not None and labels is not None:
         # The LM's last hidden state at each vision token says what is there and where: the
@@ -506,10 +599,47 @@ def forward_loss(
     logits = lm.compute_logits(hidden[torch.tensor(rows)]).float()
     target = torch.tensor(targets)
     loss = F.cross_entropy(logits, target) + aux
+    if probes:
+        loss = loss + attn[0] * torch.stack([x for p in probes for x in p.losses]).mean()
     wrong = torch.zeros(len(batch)).index_add_(
         0, torch.tensor(owners), (logits.argmax(-1) != target).float()
     )
     return loss, (wrong == 0).sum()
+
+
+def _probes(
+    batch: Sequence[Example],
+    layers: tuple[int, ...],
+    heads: tuple[int, ...],
+    fetch_layers: tuple[int, ...] = (),
+) -> tuple[AttentionProbe, ...]:
+    """The step's attention supervision: each example's lookups (onto a shape's vision
+    tokens, at `layers`) and fetches (onto the question's words, at `fetch_layers`) as packed
+    rows and keys."""
+    total = sum(len(e.token_ids) for e in batch)
+    lookups: list[tuple[int, int, torch.Tensor]] = []  # (row, sequence start, key positions)
+    fetches: list[tuple[int, int, torch.Tensor]] = []
+    start = 0
+    for e in batch:
+        for row, image, kind in e.lookups:
+            on = (e.token_labels[image][:, 1] == kind).nonzero().squeeze(1)
+            if len(on):
+                lookups.append((start + row, start, start + e.spans[image].offset + on))
+        for row, tokens in e.fetches:
+            fetches.append((start + row, start, start + torch.tensor(tokens)))
+        start += len(e.token_ids)
+    probes = []
+    for at, pairs in ((layers, lookups), (fetch_layers, fetches)):
+        if not at or not pairs:
+            continue
+        allowed = torch.zeros(len(pairs), total, dtype=torch.bool)
+        targets = torch.zeros(len(pairs), total, dtype=torch.bool)
+        for i, (row, first, keys) in enumerate(pairs):
+            allowed[i, first : row + 1] = True
+            targets[i, keys] = True
+        rows = torch.tensor([row for row, _, _ in pairs])
+        probes.append(AttentionProbe(at, heads, rows, allowed, targets))
+    return tuple(probes)
 
 
 def train(
@@ -653,6 +783,12 @@ def _train(
             settings.aux_weight,
             settings.lm_aux_weight,
             settings.aux_background_weight,
+            (
+                settings.attn_weight,
+                settings.attn_layers,
+                settings.attn_heads,
+                settings.attn_fetch_layers,
+            ),
         )
         loss_value, accuracy = _update(loss, optimizer, schedule, params, right, len(batch))
         if progress:
@@ -678,6 +814,14 @@ def validate(settings: TrainSettings) -> None:
     """Raise ValueError for settings no training can run with."""
     if settings.workers < 1:
         raise ValueError(f"workers: at least 1, got {settings.workers}")
+    shape = settings.shape
+    for name, values, limit in (
+        ("attn_layers", settings.attn_layers, shape.num_layers),
+        ("attn_fetch_layers", settings.attn_fetch_layers, shape.num_layers),
+        ("attn_heads", settings.attn_heads, shape.num_heads),
+    ):
+        if any(not 0 <= v < limit for v in values):
+            raise ValueError(f"{name}: each from 0 to {limit - 1}, got {values}")
     _question_weights(settings)
 
 
