@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -54,6 +54,8 @@ WORKER_FAILURES = (
 )
 # How long closing a session waits for its encoder to flush its last rows.
 CLOSE_WAIT_SECONDS = 5.0
+# How long a session waits for a usable worker (not tried yet) to come up before it fails.
+WORKER_WAIT = 5.0
 
 
 class SessionError(Exception):
@@ -328,7 +330,7 @@ class RealtimeSession:
         tried: set[str] = set()
         last: SessionError | None = None
         while True:
-            worker = await _pick(pool, tried)
+            worker = await pool.wait_for(lambda: pool.pick(exclude=tried), WORKER_WAIT)
             if worker is None:
                 self.fail(
                     last or SessionError(grpc.StatusCode.UNAVAILABLE, "no encoder worker is up")
@@ -401,7 +403,7 @@ class RealtimeSession:
         last: SessionError | None = None
         attempt = 0
         while True:
-            worker = await _pick(pool, tried, realtime_pick)
+            worker = await pool.wait_for(lambda: realtime_pick(pool, tried), WORKER_WAIT)
             if worker is None:
                 self.fail(last or SessionError(grpc.StatusCode.UNAVAILABLE, "no LM worker is up"))
                 return
@@ -441,18 +443,6 @@ class RealtimeSession:
                 last = self._worker_failed(e, pool, worker, tried, "LM worker")
                 if last is None:
                     return
-
-
-async def _pick(
-    pool: WorkerPool,
-    tried: set[str],
-    choose: Callable[[WorkerPool, set[str]], Worker | None] | None = None,
-    wait: float = 5.0,
-) -> Worker | None:
-    """A usable worker not tried yet (`choose`'s, else the least loaded), waiting a little for
-    one to come up."""
-    choose = choose or (lambda p, exclude: p.pick(exclude=exclude))
-    return await pool.wait_for(lambda: choose(pool, tried), wait)
 
 
 __all__ = ["Delta", "RealtimeService", "RealtimeSession", "SessionError", "Settings"]
