@@ -22,11 +22,14 @@ from models import load_family
 from models.demo import scenes
 from models.demo.train import (
     DEMO_SHAPE,
+    LABELS,
     AttentionProbe,
     Encoder,
     PackedCausalAttention,
     PackedMetadata,
+    Supervision,
     TrainSettings,
+    _probes,
     _share,
     evaluate,
     forward_loss,
@@ -203,6 +206,26 @@ def test_attention_probe_loss_is_minus_log_the_weight_on_the_targets():
             losses.append(-weights[[i - 6 for i in t]].sum().log())
     torch.testing.assert_close(probe.losses[0], torch.stack(losses).mean())
 
+    # Read supervision: a head must tell each looked-up shape's labels from what heads 1 and
+    # 3 read (their attention outputs side by side).
+    reader = torch.nn.Linear(16, sum(LABELS))
+    labels = torch.tensor([[1, 2, 3], [4, 5, 1]])
+    probe = AttentionProbe(
+        (1,), (1, 3), torch.tensor(rows), allowed, wanted, read=labels, readers={"1": reader}
+    )
+
+    attention(1, q, k, v, PackedMetadata(tuple(lens), (probe,)))
+    outs = []
+    for row in rows:
+        per_head = []
+        for head in (1, 3):
+            weights = (q[row, head] @ k[6 : row + 1, head].T / 8**0.5).softmax(-1)
+            per_head.append(weights @ v[6 : row + 1, head])
+        outs.append(torch.cat(per_head))
+    logits = reader(torch.stack(outs)).split(LABELS, -1)
+    want = sum(torch.nn.functional.cross_entropy(x, labels[:, i]) for i, x in enumerate(logits))
+    torch.testing.assert_close(probe.read_losses[0], want)
+
 
 def test_lookups_point_each_named_colour_or_kind_at_its_shape():
     encoder = Encoder(builtin_model())
@@ -228,6 +251,40 @@ def test_lookups_point_each_named_colour_or_kind_at_its_shape():
     assert seen == set(scenes.QUESTION_WEIGHTS)
 
 
+def test_same_scene_questions_compare_each_pictures_shapes_with_a_head_of_its_own():
+    encoder = Encoder(builtin_model())
+    batch, samples = [], []
+    for seed in range(40):
+        sample = scenes.sample(seed)
+        if sample.question.startswith("Do these"):
+            batch.append(encoder.example(sample, drawn_labels=True))
+            samples.append(sample)
+    assert len(batch) >= 2
+    for e in batch:
+        assert e.compares == [(e.num_prompt - 1, 0), (e.num_prompt - 1, 1)]
+    readers = {"compare2_2": None, "compare3_2": None}
+    supervision = Supervision(
+        1.0, (1,), (0, 1), (), readers, 1.0, (2,), compare_heads=(2, 3), compare_read=True
+    )
+    probes = [p for p in _probes(batch, supervision) if p.layers == (2,)]
+    assert [(p.heads, p.prefix) for p in probes] == [((2,), "compare2_"), ((3,), "compare3_")]
+    starts = [0]
+    for e in batch[:-1]:
+        starts.append(starts[-1] + len(e.token_ids))
+    for image, probe in enumerate(probes):
+        for i, (e, start) in enumerate(zip(batch, starts, strict=True)):
+            assert probe.rows[i] == start + e.num_prompt - 1
+            keys = probe.targets[i].nonzero().squeeze(1) - start - e.spans[image].offset
+            shape_tokens = (e.token_labels[image][:, 1] > 0).nonzero().squeeze(1)
+            assert torch.equal(keys, shape_tokens)
+            # Read supervision: which colours, kinds and places the picture holds.
+            shapes = samples[i].scenes[image].shapes
+            held = [c in {s.colour for s in shapes} for c in scenes.COLOURS]
+            held += [k in {s.kind for s in shapes} for k in scenes.KINDS]
+            held += [p in {s.place for s in shapes} for p in scenes.PLACES]
+            assert probe.read[i].tolist() == [float(h) for h in held]
+
+
 def test_tower_forward_is_the_served_numerics_with_gradients(tiny_checkpoint):
     arch = load_arch_config(tiny_checkpoint)
     tower = VisionTower.from_checkpoint(tiny_checkpoint, arch.vision)
@@ -250,13 +307,15 @@ SMALL = replace(
     num_kv_heads=1, mrope_section=(2, 3, 3), vision_depth=1, vision_hidden=32,
     vision_heads=1, vision_intermediate=32, fullatt_block_indexes=(0,),
 )  # fmt: skip
+# SMALL has two query heads: the recipe's compare heads (2, 3) become its heads 0 and 1.
+SMALL_HEADS = {"compare_heads": (0, 1)}
 
 
 def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     # Two workers (the recipe's): the progress is the first's, once a step.
     settings = TrainSettings(
         steps=6, batch_size=4, warmup=1, lr=1e-2, tower_steps=4, tower_batch=4,
-        drawn_labels=True, aux_background_weight=0.3, shape=SMALL, workers=2,
+        drawn_labels=True, aux_background_weight=0.3, shape=SMALL, workers=2, **SMALL_HEADS,
     )  # fmt: skip
     losses = []
     out = train(
@@ -296,7 +355,7 @@ def test_questions_about_one_picture_share_its_scene_and_pixels():
 def test_a_frozen_tower_keeps_its_phase_weights_while_the_lm_learns(tmp_path):
     settings = TrainSettings(
         steps=3, batch_size=4, warmup=1, tower_steps=2, tower_batch=2, freeze_tower=True,
-        shape=SMALL, workers=1,
+        shape=SMALL, workers=1, **SMALL_HEADS,
     )  # fmt: skip
     saved = []
 
@@ -377,7 +436,7 @@ def test_partial_checkpoints_are_evaluated_without_changing_the_training(tmp_pat
     # workers add the same two tensors).
     settings = TrainSettings(
         steps=4, batch_size=4, warmup=1, tower_steps=1, tower_batch=2, rope_theta=100.0,
-        shape=SMALL, workers=2,
+        shape=SMALL, workers=2, **SMALL_HEADS,
     )  # fmt: skip
     seen = []
 
@@ -402,7 +461,9 @@ def test_workers_share_each_batch_in_whole_pictures():
 
 
 def test_a_failing_worker_stops_training_instead_of_hanging(tmp_path):
-    settings = TrainSettings(steps=3, batch_size=4, warmup=1, tower_steps=0, shape=SMALL, workers=2)
+    settings = TrainSettings(
+        steps=3, batch_size=4, warmup=1, tower_steps=0, shape=SMALL, workers=2, **SMALL_HEADS
+    )
 
     def on_save(step: int) -> None:
         raise OSError("disk full")

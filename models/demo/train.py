@@ -139,7 +139,7 @@ class TrainSettings:
     questions_per_picture: int = 2
     # How often each kind of question is asked in training, in scenes.QUESTION_WEIGHTS'
     # order (describe, colour, count, where, which, same); empty: as in the held-out set
-    # (4, 2, 1, 2, 1, 2). Lookups by name and places are learnt last: they get more.
+    # (4, 2, 1, 2, 1, 2). Lookups by name are learnt last: they get more.
     question_weights: tuple[int, ...] = (2, 3, 1, 4, 2, 3)
     # The tower's (and its auxiliary head's) learning rate in the joint phase; None: lr.
     vision_lr: float | None = 5e-3
@@ -159,6 +159,18 @@ class TrainSettings:
     attn_layers: tuple[int, ...] = (1, 2)
     attn_heads: tuple[int, ...] = (0, 1)
     attn_fetch_layers: tuple[int, ...] = (0,)
+    # Read supervision (0: off): at each lookup row of attn_layers, a training-only linear
+    # head must tell the looked-up shape's colour, kind and place from what the heads
+    # attn_heads read there (their attention output), so that their values carry all three.
+    read_weight: float = 0.0
+    # "Do these two pictures show the same scene?": the last prompt row's heads compare_heads
+    # (one per picture) are pulled in the layers compare_layers onto each picture's shapes, so
+    # that the next layer can set the two side by side (empty: off).
+    compare_layers: tuple[int, ...] = ()
+    compare_heads: tuple[int, ...] = (2, 3)
+    # With read_weight: each compare head must also tell which colours, kinds and places its
+    # picture holds from what it reads.
+    compare_read: bool = False
     shape: Shape = field(default=DEMO_SHAPE)
 
 
@@ -272,16 +284,32 @@ class AttentionProbe:
     allowed: torch.Tensor  # [Q, T] bool
     targets: torch.Tensor  # [Q, T] bool
     losses: list[torch.Tensor] = field(default_factory=list)
+    # Read supervision: per row the (colour, kind, place) labels of the shape it looks up
+    # ([Q, 3] long), or which colours, kinds and places a picture it compares holds ([Q,
+    # sum(LABELS) - 3] multi-hot float); per layer a head (readers[prefix + str(layer)]) must
+    # tell them from what the heads read there.
+    read: torch.Tensor | None = None
+    readers: Any = None  # ModuleDict of Linear(len(heads) * head_dim, ...)
+    prefix: str = ""
+    read_losses: list[torch.Tensor] = field(default_factory=list)
 
-    def add_loss(self, q: torch.Tensor, k: torch.Tensor) -> None:
+    def add_loss(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """-log of the attention weight the heads put on the targets, averaged ([T, heads,
-        head_dim] q and k, kv heads already repeated)."""
+        head_dim] q, k and v, kv heads already repeated)."""
         heads = list(self.heads)
         qh, kh = q[self.rows][:, heads], k[:, heads]
         logits = torch.einsum("qhd,thd->qht", qh, kh) * qh.shape[-1] ** -0.5
         logp = logits.masked_fill(~self.allowed[:, None], float("-inf")).log_softmax(-1)
         on = logp.masked_fill(~self.targets[:, None], float("-inf")).logsumexp(-1)
         self.losses.append(-on.mean())
+        if self.read is not None:
+            out = torch.einsum("qht,thd->qhd", logp.exp(), v[:, heads]).flatten(1)
+            logits = self.readers[self.prefix + str(layer_idx)](out)
+            if self.read.is_floating_point():
+                loss = F.binary_cross_entropy_with_logits(logits, self.read)
+            else:
+                loss = label_loss(logits, self.read)
+            self.read_losses.append(loss)
 
 
 @dataclass(frozen=True)
@@ -313,7 +341,7 @@ class PackedCausalAttention:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         for probe in attn_metadata.probes:
             if layer_idx in probe.layers:
-                probe.add_loss(q, k)
+                probe.add_loss(layer_idx, q, k, v)
         outs, tokens = [], []
         if self._last[0] != attn_metadata.seq_lens:
             self._last = (attn_metadata.seq_lens, list(self._groups(attn_metadata.seq_lens)))
@@ -367,6 +395,9 @@ class Example:
     lookups: list[tuple[int, int, int]] = field(default_factory=list)
     # (row, the question's tokens that name the shape the answer is about).
     fetches: list[tuple[int, list[int]]] = field(default_factory=list)
+    # (row, media index): the row compares the pictures (is it the same scene?); it should
+    # read each picture's shapes with a head of its own.
+    compares: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Encoder:
@@ -416,6 +447,8 @@ class Encoder:
             example.token_labels.append(labels)
         example.lookups = self.lookups(sample, example)
         example.fetches = self.fetches(sample, example)
+        if sample.question.startswith("Do these two pictures"):
+            example.compares = [(example.num_prompt - 1, i) for i in range(len(sample.images))]
         return example
 
     def fetches(self, sample: scenes.Sample, example: Example) -> list[tuple[int, list[int]]]:
@@ -530,6 +563,36 @@ def tower_aux_loss(
     return loss, right
 
 
+LABELS = (len(scenes.COLOURS) + 1, len(scenes.KINDS) + 1, len(scenes.PLACES) + 1)
+
+
+def label_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of colour, kind and place logits ([N, sum(LABELS)]) against
+    labels [N, 3]."""
+    return sum(
+        F.cross_entropy(part, labels[:, i]) for i, part in enumerate(logits.split(LABELS, -1))
+    )
+
+
+@dataclass(frozen=True)
+class Supervision:
+    """Attention supervision for one step (see TrainSettings.attn_weight): the loss weight,
+    the lookup layers, the heads, the fetch layers; read supervision: per lookup layer a
+    head (`readers`, keyed str(layer)) that must tell the looked-up shape's colour, kind and
+    place from what the heads read, at `read_weight`; and the layers and heads (one per
+    picture) that compare two pictures."""
+
+    weight: float
+    layers: tuple[int, ...]
+    heads: tuple[int, ...]
+    fetch_layers: tuple[int, ...] = ()
+    readers: torch.nn.ModuleDict | None = None
+    read_weight: float = 0.0
+    compare_layers: tuple[int, ...] = ()
+    compare_heads: tuple[int, ...] = ()  # one per picture
+    compare_read: bool = False  # read supervision of the compare heads too
+
+
 def forward_loss(
     tower: VisionTower,
     lm: Qwen2LanguageModel,
@@ -540,11 +603,11 @@ def forward_loss(
     aux_weight: float = AUX_WEIGHT,
     lm_aux_weight: float = 0.0,
     aux_background_weight: float = 1.0,
-    attn: tuple[float, tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None,
+    attn: Supervision | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy of the answers' tokens (plus, with `aux_head` / `lm_aux_head`, the
-    auxiliary losses; with `attn` (weight, lookup layers, heads, fetch layers), attention
-    supervision), and how many answers were all right."""
+    auxiliary losses; with `attn`, attention supervision), and how many answers were all
+    right."""
     # Each picture once through the tower, however many questions ask about it.
     unique: dict[int, int] = {}  # id(media) -> its index in `media`
     media: list[ProcessedMedia] = []
@@ -582,54 +645,73 @@ def forward_loss(
             owners.append(i)
         start += len(e.token_ids)
     x = lm.embed_input_ids(ids, embeds, is_mm)
-    probes = _probes(batch, *attn[1:]) if attn and attn[0] else ()
+    probes = _probes(batch, attn) if attn and attn.weight else ()
     metadata = PackedMetadata(tuple(len(e.token_ids) for e in batch), probes)
     hidden = lm(None, torch.cat(positions, dim=1), inputs_embeds=x, attn_metadata=metadata)
     if lm_aux_head is not None and labels is not None:
         # The LM's last hidden state at each vision token says what is there and where: the
         # place is known only to the LM (M-RoPE positions), not to the tower.
-        colour, kind, place = lm_aux_head(hidden[is_mm]).split(
-            [len(scenes.COLOURS) + 1, len(scenes.KINDS) + 1, len(scenes.PLACES) + 1], -1
-        )
-        aux = aux + lm_aux_weight * (
-            F.cross_entropy(colour, labels[:, 0])
-            + F.cross_entropy(kind, labels[:, 1])
-            + F.cross_entropy(place, labels[:, 2])
-        )
+        aux = aux + lm_aux_weight * label_loss(lm_aux_head(hidden[is_mm]), labels)
     logits = lm.compute_logits(hidden[torch.tensor(rows)]).float()
     target = torch.tensor(targets)
     loss = F.cross_entropy(logits, target) + aux
     if probes:
-        loss = loss + attn[0] * torch.stack([x for p in probes for x in p.losses]).mean()
+        loss = loss + attn.weight * torch.stack([x for p in probes for x in p.losses]).mean()
+        reads = [x for p in probes for x in p.read_losses]
+        if reads:
+            loss = loss + attn.read_weight * torch.stack(reads).mean()
     wrong = torch.zeros(len(batch)).index_add_(
         0, torch.tensor(owners), (logits.argmax(-1) != target).float()
     )
     return loss, (wrong == 0).sum()
 
 
-def _probes(
-    batch: Sequence[Example],
-    layers: tuple[int, ...],
-    heads: tuple[int, ...],
-    fetch_layers: tuple[int, ...] = (),
-) -> tuple[AttentionProbe, ...]:
+def _held(labels: torch.Tensor) -> torch.Tensor:
+    """Which colours, kinds and places a picture's shapes have (multi-hot, in LABELS' order
+    without the background classes), from its token labels [tokens, 3]."""
+    parts = []
+    for i, n in enumerate(LABELS):
+        hot = torch.zeros(n)
+        hot[labels[:, i]] = 1.0
+        parts.append(hot[1:])
+    return torch.cat(parts)
+
+
+def _probes(batch: Sequence[Example], attn: Supervision) -> tuple[AttentionProbe, ...]:
     """The step's attention supervision: each example's lookups (onto a shape's vision
-    tokens, at `layers`) and fetches (onto the question's words, at `fetch_layers`) as packed
-    rows and keys."""
+    tokens, at `layers`, with the shape's labels for read supervision), fetches (onto the
+    question's words, at `fetch_layers`) and compares (onto each picture's shapes, a head per
+    picture, at `compare_layers`) as packed rows and keys."""
     total = sum(len(e.token_ids) for e in batch)
     lookups: list[tuple[int, int, torch.Tensor]] = []  # (row, sequence start, key positions)
+    read: list[torch.Tensor] = []  # per lookup, its shape's labels
     fetches: list[tuple[int, int, torch.Tensor]] = []
+    compares: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in attn.compare_heads]
+    held: list[list[torch.Tensor]] = [[] for _ in attn.compare_heads]  # what each picture holds
     start = 0
     for e in batch:
         for row, image, kind in e.lookups:
             on = (e.token_labels[image][:, 1] == kind).nonzero().squeeze(1)
             if len(on):
                 lookups.append((start + row, start, start + e.spans[image].offset + on))
+                read.append(e.token_labels[image][on[0]])
         for row, tokens in e.fetches:
             fetches.append((start + row, start, start + torch.tensor(tokens)))
+        for row, image in e.compares if attn.compare_layers else ():
+            on = (e.token_labels[image][:, 1] > 0).nonzero().squeeze(1)
+            if len(on) and image < len(compares):
+                compares[image].append((start + row, start, start + e.spans[image].offset + on))
+                held[image].append(_held(e.token_labels[image]))
         start += len(e.token_ids)
     probes = []
-    for at, pairs in ((layers, lookups), (fetch_layers, fetches)):
+    reading = attn.readers is not None and attn.read_weight > 0
+    sets = [
+        (attn.layers, attn.heads, lookups, read, ""),
+        (attn.fetch_layers, attn.heads, fetches, [], ""),
+    ]
+    for i, h in enumerate(attn.compare_heads):
+        sets.append((attn.compare_layers, (h,), compares[i], held[i], f"compare{h}_"))
+    for at, heads, pairs, labels, prefix in sets:
         if not at or not pairs:
             continue
         allowed = torch.zeros(len(pairs), total, dtype=torch.bool)
@@ -638,7 +720,10 @@ def _probes(
             allowed[i, first : row + 1] = True
             targets[i, keys] = True
         rows = torch.tensor([row for row, _, _ in pairs])
-        probes.append(AttentionProbe(at, heads, rows, allowed, targets))
+        extra = {}
+        if reading and labels and (not prefix or attn.compare_read):
+            extra = {"read": torch.stack(labels), "readers": attn.readers, "prefix": prefix}
+        probes.append(AttentionProbe(at, heads, rows, allowed, targets, **extra))
     return tuple(probes)
 
 
@@ -732,6 +817,19 @@ def _train(
     if settings.tower_steps:
         pretrain_tower(tower, aux_head, encoder, settings, progress)
     heads = [aux_head] + ([lm_aux_head] if settings.lm_aux_weight else [])
+    readers = None
+    if settings.read_weight:
+        width = len(settings.attn_heads) * arch.text.head_dim
+        readers = torch.nn.ModuleDict(
+            {str(i): torch.nn.Linear(width, sum(LABELS)) for i in settings.attn_layers}
+        )
+        if settings.compare_read:
+            for h in settings.compare_heads:
+                for i in settings.compare_layers:
+                    readers[f"compare{h}_{i}"] = torch.nn.Linear(
+                        arch.text.head_dim, sum(LABELS) - len(LABELS)
+                    )
+        heads.append(readers)
     frozen = settings.freeze_tower and settings.tower_steps > 0
     if frozen:
         tower.requires_grad_(False)
@@ -771,8 +869,19 @@ def _train(
         return out
 
     total = settings.tower_steps + settings.steps
+    supervision = Supervision(
+        settings.attn_weight,
+        settings.attn_layers,
+        settings.attn_heads,
+        settings.attn_fetch_layers,
+        readers,
+        settings.read_weight,
+        settings.compare_layers,
+        settings.compare_heads,
+        settings.compare_read,
+    )
+    lm_aux_head = lm_aux_head if settings.lm_aux_weight else None
     for step, batch in enumerate(_prefetched(batch_of, settings.steps)):
-        lm_aux_head = heads[1] if len(heads) > 1 else None
         loss, right = forward_loss(
             tower,
             lm,
@@ -783,12 +892,7 @@ def _train(
             settings.aux_weight,
             settings.lm_aux_weight,
             settings.aux_background_weight,
-            (
-                settings.attn_weight,
-                settings.attn_layers,
-                settings.attn_heads,
-                settings.attn_fetch_layers,
-            ),
+            supervision,
         )
         loss_value, accuracy = _update(loss, optimizer, schedule, params, right, len(batch))
         if progress:
@@ -819,6 +923,8 @@ def validate(settings: TrainSettings) -> None:
         ("attn_layers", settings.attn_layers, shape.num_layers),
         ("attn_fetch_layers", settings.attn_fetch_layers, shape.num_layers),
         ("attn_heads", settings.attn_heads, shape.num_heads),
+        ("compare_layers", settings.compare_layers, shape.num_layers),
+        ("compare_heads", settings.compare_heads, shape.num_heads),
     ):
         if any(not 0 <= v < limit for v in values):
             raise ValueError(f"{name}: each from 0 to {limit - 1}, got {values}")
