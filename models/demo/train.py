@@ -140,7 +140,7 @@ class TrainSettings:
     # How often each kind of question is asked in training, in scenes.QUESTION_WEIGHTS'
     # order (describe, colour, count, where, which, same); empty: as in the held-out set
     # (4, 2, 1, 2, 1, 2). Lookups by name are learnt last: they get more.
-    question_weights: tuple[int, ...] = (2, 3, 1, 4, 2, 3)
+    question_weights: tuple[int, ...] = (4, 3, 1, 3, 2, 3)
     # The tower's (and its auxiliary head's) learning rate in the joint phase; None: lr.
     vision_lr: float | None = 5e-3
     # Processes that train in data parallel, each on its share of every batch (whole pictures
@@ -162,11 +162,11 @@ class TrainSettings:
     # Read supervision (0: off): at each lookup row of attn_layers, a training-only linear
     # head must tell the looked-up shape's colour, kind and place from what the heads
     # attn_heads read there (their attention output), so that their values carry all three.
-    read_weight: float = 0.0
+    read_weight: float = 1.0
     # "Do these two pictures show the same scene?": the last prompt row's heads compare_heads
     # (one per picture) are pulled in the layers compare_layers onto each picture's shapes, so
     # that the next layer can set the two side by side (empty: off).
-    compare_layers: tuple[int, ...] = ()
+    compare_layers: tuple[int, ...] = (2,)
     compare_heads: tuple[int, ...] = (2, 3)
     # With read_weight: each compare head must also tell which colours, kinds and places its
     # picture holds from what it reads.
