@@ -48,9 +48,10 @@ SERVER_OPTIONS = [
 # host may answer a ping seconds late, and a false alarm costs a retry or a migration.)
 # NOTE: gRPC core times a ping out by grpc.http2.ping_timeout_ms (default 60 s), whatever
 # keepalive_timeout_ms says: without it a frozen worker stayed SERVING for about 64 s.
-# A worker that comes (back) up is reconnected within 2 s: gRPC's default reconnect backoff
-# (1 s, x1.6 a failure, up to 120 s) left a worker the proxy probed before it listened unseen
-# for 1.6 s after it was up, and one down for 20 s unseen for 6 s more.
+# A worker that comes (back) up is seen within about 0.6 s: the channel redials at most every
+# 0.5 s (+20% jitter) and the proxy's health watch retries every 0.25 s (proxy/workers.py).
+# gRPC's default backoff (1 s, x1.6 a failure, up to 120 s) left a worker down for 20 s unseen
+# for 6 s after it was up; a 2 s cap still left 3.1 s, past the proxy's 2 s wait for a worker.
 CHANNEL_OPTIONS = [
     *GRPC_OPTIONS,
     ("grpc.keepalive_time_ms", 1000),
@@ -58,8 +59,8 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.ping_timeout_ms", 3000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
 ]
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -244,7 +244,7 @@ class WorkerPool:
     async def _watch(self, worker: Worker) -> None:
         """Follow the worker's health; a broken stream means it is unreachable."""
         stub = health_pb2_grpc.HealthStub(worker.channel)
-        delay = 0.1
+        delay = 0.05
         while True:
             try:
                 stream = stub.Watch(health_pb2.HealthCheckRequest(service=""))
@@ -252,12 +252,14 @@ class WorkerPool:
                     self._set_status(
                         worker, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
                     )
-                    delay = 0.1
+                    delay = 0.05
             except grpc.aio.AioRpcError as e:
                 worker.last_error = f"health watch: {e.code().name}"
             self._set_status(worker, "UNREACHABLE")
-            await asyncio.sleep(delay)  # reconnect backoff
-            delay = min(delay * 2, 2.0)
+            # Retry soon: while the channel is down the call fails at once, without a packet
+            # sent, and a worker back up should be seen well within wait_for's 2 s.
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
 
     def _set_status(self, worker: Worker, status: str) -> None:
         if status != worker.status:
