@@ -258,7 +258,12 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send PROMPT as-is, no chat template")
     gen.add_argument("--model", default="", help="model name (default: the served one)")
     gen.add_argument("--max-tokens", type=int)
-    gen.add_argument("--temperature", type=float)
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 (the default): greedy; the API samples at 1 when a request leaves it unset",
+    )
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
