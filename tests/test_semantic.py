@@ -96,7 +96,7 @@ def test_held_out_scenes_with_two_encoders_and_a_flushed_cache(cluster):
 def test_one_image_under_many_requests(cluster):
     """One picture held under 26 concurrent questions, encoded once: each answered about it."""
     scene = scenes.Scene.parse("red circle left, blue square top, green star right")
-    image = scenes.png(scenes.render(scene, 11, (200, 150)))
+    image = scenes.render(scene, 11, (200, 150))
     questions = [*scenes.DESCRIBE, "How many shapes are there?"]
     for s in scene.shapes:
         questions += [f"What colour is the {s.kind}?", f"Where is the {s.name}?"]
@@ -133,7 +133,7 @@ def test_multi_image_prompts_are_answered_about_the_right_image(cluster):
     samples = []
     for seed in range(2000, 2012):
         rng = random.Random(seed)
-        a, b = (scenes.png(scenes.render(scenes.random_scene(rng), seed + i)) for i in (0, 1))
+        a, b = (scenes.render(scenes.random_scene(rng), seed + i) for i in (0, 1))
         for images in ((a, b), (b, a)):
             for which in scenes.ORDINALS:
                 question = f"What is in the {which} picture?"

@@ -220,11 +220,10 @@ def png(image: Image.Image) -> bytes:
 
 
 @functools.lru_cache(maxsize=64)
-def drawn_png(scene: Scene, seed: int) -> tuple[bytes, tuple[Placed, ...]]:
-    """draw(scene, seed) as a PNG, and where its shapes were drawn; the last ones are kept:
-    each question about a picture (scenes.questions) draws it again."""
-    picture, placed = draw(scene, seed)
-    return png(picture), placed
+def drawn(scene: Scene, seed: int) -> tuple[Image.Image, tuple[Placed, ...]]:
+    """draw(scene, seed), the last ones kept: each question about a picture
+    (scenes.questions) draws it again. Never draw into the picture returned."""
+    return draw(scene, seed)
 
 
 def _background(rng: random.Random, size: tuple[int, int]) -> Image.Image:
@@ -301,9 +300,15 @@ class Sample:
     kind: QuestionKind
     question: str
     answer: str
-    images: tuple[bytes, ...]  # PNG
+    pictures: tuple[Image.Image, ...]
     scenes: tuple[Scene, ...]
     placed: tuple[tuple[Placed, ...], ...] = ()  # per image, where its shapes were drawn
+
+    @functools.cached_property
+    def images(self) -> tuple[bytes, ...]:
+        """The pictures as PNG files, as a client sends them. (Training takes the pictures
+        themselves: encoding and decoding them was a sixth of the cost of drawing a batch.)"""
+        return tuple(png(p) for p in self.pictures)
 
 
 # How often each kind of question is asked, in training and in the held-out set.
@@ -324,7 +329,7 @@ def sample(seed: int, kind: QuestionKind | None = None) -> Sample:
     kinds = list(QUESTION_WEIGHTS)
     kind = kind or rng.choices(kinds, [QUESTION_WEIGHTS[k] for k in kinds])[0]
     scene = random_scene(rng)
-    image, placed = drawn_png(scene, rng.getrandbits(32))
+    image, placed = drawn(scene, rng.getrandbits(32))
     one = ((image,), (scene,), (placed,))
     if kind == "describe":
         return Sample(kind, rng.choice(DESCRIBE), scene.describe(), *one)
@@ -341,7 +346,7 @@ def sample(seed: int, kind: QuestionKind | None = None) -> Sample:
     # question about one of them.
     same = rng.random() < 0.5
     other = scene if same else altered(scene, rng)
-    image2, placed2 = drawn_png(other, rng.getrandbits(32))
+    image2, placed2 = drawn(other, rng.getrandbits(32))
     two = ((image, image2), (scene, other), (placed, placed2))
     if rng.random() < 0.5:
         question = "Do these two pictures show the same scene?"

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from PIL import Image
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
@@ -400,6 +401,11 @@ class Example:
     compares: list[tuple[int, int]] = field(default_factory=list)
 
 
+# Pictures already processed, by id(): the picture (kept alive, so that its id stays its own)
+# and its media.
+Processed = dict[int, tuple[Image.Image, ProcessedMedia]]
+
+
 class Encoder:
     """Samples -> the model's inputs, exactly as the proxy prepares a chat request."""
 
@@ -409,20 +415,18 @@ class Encoder:
         self.processor = MediaProcessor.from_checkpoint(checkpoint)
         self.end = self.tokenizer.required_id("<|im_end|>")
 
-    def prompt(
-        self, sample: scenes.Sample, processed: dict[bytes, ProcessedMedia] | None = None
-    ) -> Example:
-        """The chat prompt's ids and media; `processed` (PNG -> media) lets questions about
-        one picture share one ProcessedMedia, which the tower then encodes once."""
-        content: list[dict[str, Any]] = [{"type": "image"} for _ in sample.images]
+    def prompt(self, sample: scenes.Sample, processed: Processed | None = None) -> Example:
+        """The chat prompt's ids and media; `processed` lets questions about one picture
+        share one ProcessedMedia, which the tower then encodes once."""
+        content: list[dict[str, Any]] = [{"type": "image"} for _ in sample.pictures]
         content.append({"type": "text", "text": sample.question})
         text = self.tokenizer.apply_chat_template([{"role": "user", "content": content}])
         processed = {} if processed is None else processed
         media = []
-        for data in sample.images:
-            if data not in processed:
-                processed[data] = self.processor.process_image(data)
-            media.append(processed[data])
+        for picture in sample.pictures:
+            if id(picture) not in processed:
+                processed[id(picture)] = (picture, self.processor.process_picture(picture))
+            media.append(processed[id(picture)][1])
         image_token = self.arch.tokens.image_token_id
         ids, runs = expand_placeholders(
             self.tokenizer.encode(text), [image_token], [m.grid.num_tokens for m in media]
@@ -437,7 +441,7 @@ class Encoder:
         self,
         sample: scenes.Sample,
         drawn_labels: bool = False,
-        processed: dict[bytes, ProcessedMedia] | None = None,
+        processed: Processed | None = None,
     ) -> Example:
         example = self.prompt(sample, processed)
         example.token_ids += [*self.tokenizer.encode(sample.answer), self.end]
@@ -448,7 +452,7 @@ class Encoder:
         example.lookups = self.lookups(sample, example)
         example.fetches = self.fetches(sample, example)
         if sample.question.startswith("Do these two pictures"):
-            example.compares = [(example.num_prompt - 1, i) for i in range(len(sample.images))]
+            example.compares = [(example.num_prompt - 1, i) for i in range(len(sample.pictures))]
         return example
 
     def fetches(self, sample: scenes.Sample, example: Example) -> list[tuple[int, list[int]]]:
@@ -863,7 +867,7 @@ def _train(
             return [encoder.example(scenes.sample(s), settings.drawn_labels) for s in pictures]
         out: list[Example] = []
         for s in pictures:
-            processed: dict[bytes, ProcessedMedia] = {}
+            processed: Processed = {}
             for sample in scenes.questions(s, min(per, seeds.stop - s), weights):
                 out.append(encoder.example(sample, settings.drawn_labels, processed))
         return out

@@ -367,17 +367,22 @@ def _pixel_values(
         if frame.size != (width, height):
             frame = frame.resize((width, height), resample=Image.Resampling(cfg.resample))
         arrays.append(np.asarray(frame))  # [H, W, 3] uint8
+    stacked = np.stack(arrays)
+    # A picture is one frame that every patch holds T times: look each byte up once.
+    t = cfg.temporal_patch_size if len(stacked) > 1 else 1
     # Patches are cut from the bytes (a quarter of the float32 data to move), then each byte
     # becomes its channel's value through a table: the same float32 numbers as computing
     # them pixel by pixel.
-    patches = patchify(np.stack(arrays), cfg)  # [N, C * T * P * P] uint8, channel first
-    channels = patches.shape[1] // (cfg.temporal_patch_size * cfg.patch_size**2)
+    patches = patchify(stacked, cfg, t)  # [N, C * t * P * P] uint8, channel first
+    channels = patches.shape[1] // (t * cfg.patch_size**2)
     table = _value_table(cfg, channels)  # [C, 256]
     by_channel = patches.reshape(len(patches), channels, -1)
     values = np.empty(by_channel.shape, np.float32)
     for c in range(channels):
         np.take(table[c], by_channel[:, c], out=values[:, c])
-    return torch.from_numpy(values.reshape(patches.shape))
+    if t != cfg.temporal_patch_size:
+        values = np.repeat(values[:, :, None], cfg.temporal_patch_size, axis=2)
+    return torch.from_numpy(values.reshape(len(patches), -1))
 
 
 def _value_table(cfg: ProcessorConfig, channels: int) -> np.ndarray:
@@ -395,9 +400,10 @@ def _value_table(cfg: ProcessorConfig, channels: int) -> np.ndarray:
     return np.ascontiguousarray(x.T)
 
 
-def patchify(frames: np.ndarray, cfg: ProcessorConfig) -> np.ndarray:
-    """[F, H, W, C] frames -> [grid_t * grid_h * grid_w, C * T * P * P] patches."""
-    t, m, p = cfg.temporal_patch_size, cfg.merge_size, cfg.patch_size
+def patchify(frames: np.ndarray, cfg: ProcessorConfig, t: int | None = None) -> np.ndarray:
+    """[F, H, W, C] frames -> [grid_t * grid_h * grid_w, C * T * P * P] patches, T frames a
+    patch (t, default cfg.temporal_patch_size)."""
+    t, m, p = t or cfg.temporal_patch_size, cfg.merge_size, cfg.patch_size
     if pad := -len(frames) % t:
         frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
     num_frames, height, width, channels = frames.shape
