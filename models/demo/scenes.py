@@ -321,6 +321,7 @@ QUESTION_WEIGHTS: dict[QuestionKind, int] = {
     "same": 2,
 }
 DESCRIBE = ("What is in this picture?", "Describe the image.", "What do you see?")
+SAME_SCENE = "Do these two pictures show the same scene?"
 
 
 def sample(seed: int, kind: QuestionKind | None = None) -> Sample:
@@ -349,8 +350,7 @@ def sample(seed: int, kind: QuestionKind | None = None) -> Sample:
     image2, placed2 = drawn(other, rng.getrandbits(32))
     two = ((image, image2), (scene, other), (placed, placed2))
     if rng.random() < 0.5:
-        question = "Do these two pictures show the same scene?"
-        return Sample(kind, question, "yes" if same else "no", *two)
+        return Sample(kind, SAME_SCENE, "yes" if same else "no", *two)
     which = rng.randrange(2)
     question = f"What is in the {ORDINALS[which]} picture?"
     return Sample(kind, question, (scene, other)[which].describe(), *two)
@@ -376,7 +376,7 @@ def questions(
 def answer_corpus() -> list[str]:
     """Every question and answer word the world uses (the tokenizer's training text)."""
     lines = list(DESCRIBE)
-    lines += ["How many shapes are there?", "Do these two pictures show the same scene?"]
+    lines += ["How many shapes are there?", SAME_SCENE]
     lines += [f"What is in the {o} picture?" for o in ORDINALS]
     lines += ["yes", "no", *NUMBERS, *WHERE.values()]
     for kind in KINDS:

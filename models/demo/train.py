@@ -451,7 +451,7 @@ class Encoder:
             example.token_labels.append(labels)
         example.lookups = self.lookups(sample, example)
         example.fetches = self.fetches(sample, example)
-        if sample.question.startswith("Do these two pictures"):
+        if sample.question == scenes.SAME_SCENE:
             example.compares = [(example.num_prompt - 1, i) for i in range(len(sample.pictures))]
         return example
 
@@ -828,11 +828,14 @@ def _train(
             {str(i): torch.nn.Linear(width, sum(LABELS)) for i in settings.attn_layers}
         )
         if settings.compare_read:
-            for h in settings.compare_heads:
-                for i in settings.compare_layers:
-                    readers[f"compare{h}_{i}"] = torch.nn.Linear(
-                        arch.text.head_dim, sum(LABELS) - len(LABELS)
-                    )
+            held = sum(LABELS) - len(LABELS)  # multi-hot, without the background classes
+            readers.update(
+                {
+                    f"compare{h}_{i}": torch.nn.Linear(arch.text.head_dim, held)
+                    for h in settings.compare_heads
+                    for i in settings.compare_layers
+                }
+            )
         heads.append(readers)
     frozen = settings.freeze_tower and settings.tower_steps > 0
     if frozen:
