@@ -33,6 +33,7 @@ from models.demo.train import (
     _share,
     evaluate,
     forward_loss,
+    layout,
     token_labels,
     train,
     with_overrides,
@@ -429,6 +430,49 @@ def test_a_shared_picture_is_encoded_once_with_the_same_loss(tmp_path):
     assert calls == [pictures - (len(qs) - 1), pictures]  # the first picture once, not 3 times
     assert grads[1] == pytest.approx(grads[3], rel=1e-5)
     torch.testing.assert_close(grads[0], grads[2], rtol=1e-4, atol=1e-6)
+
+
+def test_questions_sharing_a_prefix_give_the_loss_and_gradients_of_each_alone(tmp_path):
+    """share_prefix packs the questions about one picture as one sequence, the picture's
+    prefix once: the loss (answers, auxiliary and attention supervision) and every gradient
+    are those of the questions packed apart."""
+    out = tmp_path / "m"
+    write_config(out, SMALL)
+    arch = load_arch_config(out)
+    torch.manual_seed(0)
+    tower = VisionTower(arch.vision)
+    lm = Qwen2LanguageModel(arch.text, PackedCausalAttention(group=2))
+    width = 2 * arch.text.head_dim
+    readers = torch.nn.ModuleDict({str(i): torch.nn.Linear(width, sum(LABELS)) for i in (1, 2)})
+    held = sum(LABELS) - len(LABELS)
+    readers.update({f"compare{h}_2": torch.nn.Linear(width // 2, held) for h in (0, 1)})
+    heads = [torch.nn.Linear(arch.text.hidden_size, n) for n in (13, 19)]
+    encoder = Encoder(out)
+    batch = []
+    for seed in (1_000_321, 1_000_400, 1_000_523):  # each picture with three questions
+        processed: dict = {}
+        batch += [encoder.example(q, True, processed) for q in scenes.questions(seed, 3)]
+    assert any(len(e.media) == 2 for e in batch)  # a two-picture question shares its first
+    packing = layout(batch, share_prefix=True)
+    assert len(packing.seq_lens) == 3
+    assert sum(packing.seq_lens) < sum(len(e.token_ids) for e in batch) * 0.6
+    supervision = Supervision(1.0, (1, 2), (0, 1), (0,), readers, 1.0, (2,), (0, 1), True)
+    params = [p for m in (tower, lm, readers, *heads) for p in m.parameters()]
+    results = []
+    for share in (False, True):
+        loss, right = forward_loss(
+            tower, lm, batch, arch.vision.spatial_merge_size, heads[0], heads[1],
+            0.5, 0.5, 0.3, supervision, share_prefix=share,
+        )  # fmt: skip
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        results.append((loss, right, grads))
+    (loss, right, grads), (loss2, right2, grads2) = results
+    torch.testing.assert_close(loss2, loss, rtol=1e-5, atol=1e-6)
+    assert right2 == right
+    for g, g2 in zip(grads, grads2, strict=True):
+        assert (g is None) == (g2 is None)
+        if g is not None:
+            torch.testing.assert_close(g2, g, rtol=1e-4, atol=1e-6)
 
 
 def test_partial_checkpoints_are_evaluated_without_changing_the_training(tmp_path):
