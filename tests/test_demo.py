@@ -48,9 +48,11 @@ from models.testing.reference import PreparedPrompt
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The shipped model's exact-match accuracy on held-out scenes, rounded down (README: the figure
-# over all 500 and the command that measures it).
-ACCURACY_FLOOR = 0.87
+# The least exact-match accuracy the shipped model must keep on the tests' subsets of the
+# held-out scenes. It scores 91.0% on all 500 (README: the figure and the command that measures
+# it), 88% on the first 100 and 87.5% (42) on the first 48 on the reference path; the floor
+# lets one of 48 answers flip on a bf16 near-tie through the cluster.
+ACCURACY_FLOOR = 0.85
 
 # -- the scene world ---------------------------------------------------------------------------
 
@@ -252,38 +254,56 @@ def test_lookups_point_each_named_colour_or_kind_at_its_shape():
     assert seen == set(scenes.QUESTION_WEIGHTS)
 
 
-def test_same_scene_questions_compare_each_pictures_shapes_with_a_head_of_its_own():
+def test_same_scene_questions_match_the_second_pictures_shapes_to_the_first():
     encoder = Encoder(builtin_model())
     batch, samples = [], []
-    for seed in range(40):
+    for seed in range(60):
         sample = scenes.sample(seed)
-        if sample.question.startswith("Do these"):
+        if sample.question == scenes.SAME_SCENE:
             batch.append(encoder.example(sample, drawn_labels=True))
             samples.append(sample)
-    assert len(batch) >= 2
-    for e in batch:
-        assert e.compares == [(e.num_prompt - 1, 0), (e.num_prompt - 1, 1)]
-    readers = {"compare2_2": None, "compare3_2": None}
-    supervision = Supervision(
-        1.0, (1,), (0, 1), (), readers, 1.0, (2,), compare_heads=(2, 3), compare_read=True
+    assert {s.answer for s in samples} == {"yes", "no"}
+    assert all(e.same_scene for e in batch)
+    probes = _probes(
+        batch, Supervision(1.0, (1,), (0, 1), (), match_layers=(1, 2), match_heads=(3, 2))
     )
-    probes = [p for p in _probes(batch, supervision) if p.layers == (2,)]
-    assert [(p.heads, p.prefix) for p in probes] == [((2,), "compare2_"), ((3,), "compare3_")]
+    tokens, last = [p for p in probes if p.heads in ((3,), (2,))]
+    assert (tokens.layers, last.layers) == ((1,), (2,))
     starts = [0]
     for e in batch[:-1]:
         starts.append(starts[-1] + len(e.token_ids))
-    for image, probe in enumerate(probes):
-        for i, (e, start) in enumerate(zip(batch, starts, strict=True)):
-            assert probe.rows[i] == start + e.num_prompt - 1
-            keys = probe.targets[i].nonzero().squeeze(1) - start - e.spans[image].offset
-            shape_tokens = (e.token_labels[image][:, 1] > 0).nonzero().squeeze(1)
-            assert torch.equal(keys, shape_tokens)
-            # Read supervision: which colours, kinds and places the picture holds.
-            shapes = samples[i].scenes[image].shapes
-            held = [c in {s.colour for s in shapes} for c in scenes.COLOURS]
-            held += [k in {s.kind for s in shapes} for k in scenes.KINDS]
-            held += [p in {s.place for s in shapes} for p in scenes.PLACES]
-            assert probe.read[i].tolist() == [float(h) for h in held]
+    q = 0
+    for i, (e, sample, start) in enumerate(zip(batch, samples, starts, strict=True)):
+        first, second = (start + s.offset for s in e.spans)
+        kinds = [{s.kind: s for s in scene.shapes} for scene in sample.scenes]
+        # Each shape token of the second picture: onto the first picture's tokens of the
+        # same colour and kind, or the sequence's first token.
+        for t in (e.token_labels[1][:, 1] > 0).nonzero().squeeze(1).tolist():
+            assert tokens.rows[q] == second + t
+            shape = kinds[1][scenes.KINDS[e.token_labels[1][t, 1] - 1]]
+            twin = kinds[0].get(shape.kind)
+            keys = tokens.targets[q].nonzero().squeeze(1).tolist()
+            if twin is not None and twin.colour == shape.colour:
+                labels = e.token_labels[0][[k - first for k in keys]]
+                assert all(scenes.KINDS[k - 1] == shape.kind for k in labels[:, 1].tolist())
+            else:
+                assert keys == [start]
+            q += 1
+        # The last prompt row: onto the shapes either picture lacks, none when the same.
+        assert last.rows[i] == start + e.num_prompt - 1
+        keys = last.targets[i].nonzero().squeeze(1).tolist()
+        if sample.answer == "yes":
+            assert keys == [start]
+        else:
+            odd = set(sample.scenes[0].shapes) ^ set(sample.scenes[1].shapes)
+            assert odd and start not in keys
+            for k in keys:
+                picture = 0 if k < second else 1
+                row = e.token_labels[picture][k - (first, second)[picture]]
+                assert (scenes.KINDS[row[1] - 1], list(scenes.PLACES)[row[2] - 1]) in {
+                    (s.kind, s.place) for s in odd
+                }
+    assert q == len(tokens.rows)
 
 
 def test_tower_forward_is_the_served_numerics_with_gradients(tiny_checkpoint):
@@ -308,8 +328,8 @@ SMALL = replace(
     num_kv_heads=1, mrope_section=(2, 3, 3), vision_depth=1, vision_hidden=32,
     vision_heads=1, vision_intermediate=32, fullatt_block_indexes=(0,),
 )  # fmt: skip
-# SMALL has two query heads: the recipe's compare heads (2, 3) become its heads 0 and 1.
-SMALL_HEADS = {"compare_heads": (0, 1)}
+# SMALL has two query heads: the recipe's match heads (3, 2) become its heads 1 and 0.
+SMALL_HEADS = {"match_heads": (1, 0)}
 
 
 def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
@@ -376,10 +396,11 @@ def test_a_frozen_tower_keeps_its_phase_weights_while_the_lm_learns(tmp_path):
 def test_settings_overrides_parse_by_field_type_and_refuse_unknown_fields():
     s = with_overrides(
         TrainSettings(),
-        ["questions_per_picture=3", "freeze_tower=true", "vision_lr=5e-3",
+        ["questions_per_picture=2", "freeze_tower=true", "vision_lr=4e-3", "match_layers=",
          "shape.fullatt_block_indexes=0,1,2", "shape.vision_hidden=96"],
     )  # fmt: skip
-    assert (s.questions_per_picture, s.freeze_tower, s.vision_lr) == (3, True, 5e-3)
+    assert (s.questions_per_picture, s.freeze_tower, s.vision_lr) == (2, True, 4e-3)
+    assert s.match_layers == ()
     assert s.shape.fullatt_block_indexes == (0, 1, 2) and s.shape.vision_hidden == 96
     for bad in ("nope=1", "steps", "steps=x", "freeze_tower=maybe", "shape=1", "shape.nope=2"):
         with pytest.raises(ValueError):
@@ -396,7 +417,10 @@ def test_training_keeps_freed_memory_for_reuse():
 def test_cli_train_demo_refuses_an_unknown_setting(tmp_path, capsys):
     assert epd_main(["train-demo", str(tmp_path / "m"), "--set", "nope=1"]) == 2
     assert "nope=1" in capsys.readouterr().err
-    for bad in ("question_weights=1,2", "workers=0", "attn_heads=0,4", "attn_fetch_layers=3"):
+    for bad in (
+        "question_weights=1,2", "workers=0", "attn_heads=0,4", "attn_fetch_layers=3",
+        "match_layers=1", "match_heads=0,4",
+    ):  # fmt: skip
         assert epd_main(["train-demo", str(tmp_path / "m"), "--set", bad]) == 2
         assert bad.partition("=")[0] in capsys.readouterr().err
 
@@ -444,19 +468,18 @@ def test_questions_sharing_a_prefix_give_the_loss_and_gradients_of_each_alone(tm
     lm = Qwen2LanguageModel(arch.text, PackedCausalAttention(group=2))
     width = 2 * arch.text.head_dim
     readers = torch.nn.ModuleDict({str(i): torch.nn.Linear(width, sum(LABELS)) for i in (1, 2)})
-    held = sum(LABELS) - len(LABELS)
-    readers.update({f"compare{h}_2": torch.nn.Linear(width // 2, held) for h in (0, 1)})
     heads = [torch.nn.Linear(arch.text.hidden_size, n) for n in (13, 19)]
     encoder = Encoder(out)
     batch = []
-    for seed in (1_000_321, 1_000_400, 1_000_523):  # each picture with three questions
+    for seed in (1_000_321, 1_000_400, 1_000_305):  # each picture with three questions
         processed: dict = {}
         batch += [encoder.example(q, True, processed) for q in scenes.questions(seed, 3)]
-    assert any(len(e.media) == 2 for e in batch)  # a two-picture question shares its first
+    # Two-picture questions share their first picture, one of them "same scene?".
+    assert sum(len(e.media) == 2 for e in batch) == 2 and any(e.same_scene for e in batch)
     packing = layout(batch, share_prefix=True)
     assert len(packing.seq_lens) == 3
     assert sum(packing.seq_lens) < sum(len(e.token_ids) for e in batch) * 0.6
-    supervision = Supervision(1.0, (1, 2), (0, 1), (0,), readers, 1.0, (2,), (0, 1), True)
+    supervision = Supervision(1.0, (1, 2), (0, 1), (0,), readers, 1.0, (1, 2), (1, 0))
     params = [p for m in (tower, lm, readers, *heads) for p in m.parameters()]
     results = []
     for share in (False, True):

@@ -109,7 +109,7 @@ DEMO_SHAPE = replace(
 @dataclass(frozen=True)
 class TrainSettings:
     steps: int = 1350
-    batch_size: int = 32
+    batch_size: int = 48  # questions a joint step
     lr: float = 2e-3
     warmup: int = 100
     weight_decay: float = 0.01
@@ -137,7 +137,9 @@ class TrainSettings:
     # Questions asked about each picture in a joint step (the batch holds batch_size //
     # questions_per_picture pictures): the tower runs once per picture and its tokens serve
     # every question about it, so the LM gets more answers per picture drawn and encoded.
-    questions_per_picture: int = 2
+    # With share_prefix a third question costs little (3 a picture at 48 a step: 3% more
+    # time a step than 2 at 32).
+    questions_per_picture: int = 3
     # How often each kind of question is asked in training, in scenes.QUESTION_WEIGHTS'
     # order (describe, colour, count, where, which, same); empty: as in the held-out set
     # (4, 2, 1, 2, 1, 2). Lookups by name are learnt last: they get more.
@@ -164,18 +166,21 @@ class TrainSettings:
     # head must tell the looked-up shape's colour, kind and place from what the heads
     # attn_heads read there (their attention output), so that their values carry all three.
     read_weight: float = 1.0
-    # "Do these two pictures show the same scene?": the last prompt row's heads compare_heads
-    # (one per picture) are pulled in the layers compare_layers onto each picture's shapes, so
-    # that the next layer can set the two side by side (empty: off).
-    compare_layers: tuple[int, ...] = (2,)
-    compare_heads: tuple[int, ...] = (2, 3)
-    # With read_weight: each compare head must also tell which colours, kinds and places its
-    # picture holds from what it reads.
-    compare_read: bool = False
     # Questions about one picture share their prefix (the chat template and the picture) in
-    # the LM's packed step: it runs once, not once per question (Layout). The same loss, in
-    # fewer operations; off, the step is bit for bit that of the shipped model's recipe.
-    share_prefix: bool = False
+    # the LM's packed step: it runs once, not once per question (Layout). The same loss in
+    # fewer operations (a step 15-19% cheaper at 2 questions a picture); off, each question
+    # is a sequence of its own (the recipes before run EA, README).
+    share_prefix: bool = True
+    # "Same scene?" by matching (empty: off): in layer match_layers[0] each shape token of the
+    # second picture is pulled with head match_heads[0] onto the first picture's tokens of
+    # the same colour and kind (onto the sequence's first token when there are none); in
+    # layer match_layers[1] the question's last row is pulled with head match_heads[1] onto
+    # the tokens of the shapes the two pictures do not share (the first token when none).
+    # Causal attention lets only the second picture look at the first: its tokens can tell
+    # whether their shape is in both, and the last row then needs only to find one that is
+    # not (a row reading each picture's whole content to compare, run AL, did not learn it).
+    match_layers: tuple[int, ...] = (1, 2)
+    match_heads: tuple[int, ...] = (3, 2)
     shape: Shape = field(default=DEMO_SHAPE)
 
 
@@ -290,12 +295,10 @@ class AttentionProbe:
     targets: torch.Tensor  # [Q, T] bool
     losses: list[torch.Tensor] = field(default_factory=list)
     # Read supervision: per row the (colour, kind, place) labels of the shape it looks up
-    # ([Q, 3] long), or which colours, kinds and places a picture it compares holds ([Q,
-    # sum(LABELS) - 3] multi-hot float); per layer a head (readers[prefix + str(layer)]) must
-    # tell them from what the heads read there.
+    # ([Q, 3]); per layer a head (readers[str(layer)]) must tell them from what the heads
+    # read there.
     read: torch.Tensor | None = None
-    readers: Any = None  # ModuleDict of Linear(len(heads) * head_dim, ...)
-    prefix: str = ""
+    readers: Any = None  # ModuleDict of Linear(len(heads) * head_dim, sum(LABELS))
     read_losses: list[torch.Tensor] = field(default_factory=list)
 
     def add_loss(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -309,12 +312,7 @@ class AttentionProbe:
         self.losses.append(-on.mean())
         if self.read is not None:
             out = torch.einsum("qht,thd->qhd", logp.exp(), v[:, heads]).flatten(1)
-            logits = self.readers[self.prefix + str(layer_idx)](out)
-            if self.read.is_floating_point():
-                loss = F.binary_cross_entropy_with_logits(logits, self.read)
-            else:
-                loss = label_loss(logits, self.read)
-            self.read_losses.append(loss)
+            self.read_losses.append(label_loss(self.readers[str(layer_idx)](out), self.read))
 
 
 @dataclass(frozen=True)
@@ -515,9 +513,8 @@ class Example:
     lookups: list[tuple[int, int, int]] = field(default_factory=list)
     # (row, the question's tokens that name the shape the answer is about).
     fetches: list[tuple[int, list[int]]] = field(default_factory=list)
-    # (row, media index): the row compares the pictures (is it the same scene?); it should
-    # read each picture's shapes with a head of its own.
-    compares: list[tuple[int, int]] = field(default_factory=list)
+    # "Do these two pictures show the same scene?" (the match supervision's questions).
+    same_scene: bool = False
 
 
 # Pictures already processed, by id(): the picture (kept alive, so that its id stays its own)
@@ -570,8 +567,7 @@ class Encoder:
             example.token_labels.append(labels)
         example.lookups = self.lookups(sample, example)
         example.fetches = self.fetches(sample, example)
-        if sample.question == scenes.SAME_SCENE:
-            example.compares = [(example.num_prompt - 1, i) for i in range(len(sample.pictures))]
+        example.same_scene = sample.question == scenes.SAME_SCENE
         return example
 
     def fetches(self, sample: scenes.Sample, example: Example) -> list[tuple[int, list[int]]]:
@@ -702,8 +698,8 @@ class Supervision:
     """Attention supervision for one step (see TrainSettings.attn_weight): the loss weight,
     the lookup layers, the heads, the fetch layers; read supervision: per lookup layer a
     head (`readers`, keyed str(layer)) that must tell the looked-up shape's colour, kind and
-    place from what the heads read, at `read_weight`; and the layers and heads (one per
-    picture) that compare two pictures."""
+    place from what the heads read, at `read_weight`; and the match supervision's layers and
+    heads (TrainSettings.match_layers)."""
 
     weight: float
     layers: tuple[int, ...]
@@ -711,9 +707,8 @@ class Supervision:
     fetch_layers: tuple[int, ...] = ()
     readers: torch.nn.ModuleDict | None = None
     read_weight: float = 0.0
-    compare_layers: tuple[int, ...] = ()
-    compare_heads: tuple[int, ...] = ()  # one per picture
-    compare_read: bool = False  # read supervision of the compare heads too
+    match_layers: tuple[int, ...] = ()
+    match_heads: tuple[int, ...] = ()
 
 
 def forward_loss(
@@ -801,15 +796,27 @@ def forward_loss(
     return loss, (wrong == 0).sum()
 
 
-def _held(labels: torch.Tensor) -> torch.Tensor:
-    """Which colours, kinds and places a picture's shapes have (multi-hot, in LABELS' order
-    without the background classes), from its token labels [tokens, 3]."""
-    parts = []
-    for i, n in enumerate(LABELS):
-        hot = torch.zeros(n)
-        hot[labels[:, i]] = 1.0
-        parts.append(hot[1:])
-    return torch.cat(parts)
+def _matches(e: Example) -> tuple[list[tuple[int, torch.Tensor]], tuple[int, torch.Tensor]]:
+    """A two-picture example's match supervision (TrainSettings.match_layers) as (row, key
+    tokens) of the example: each shape token of the second picture onto the first picture's
+    tokens of its colour and kind; the last prompt row onto the tokens of the shapes either
+    picture has and the other lacks. Token 0 where there is nothing to find."""
+    first, second = e.token_labels
+    a, b = e.spans[0].offset, e.spans[1].offset
+    sink = torch.tensor([0])
+    tokens = []
+    for t in (second[:, 1] > 0).nonzero().squeeze(1).tolist():
+        same = (first[:, 0] == second[t, 0]) & (first[:, 1] == second[t, 1])
+        on = same.nonzero().squeeze(1)
+        tokens.append((b + t, a + on if len(on) else sink))
+
+    def lacking(x: torch.Tensor, y: torch.Tensor) -> list[int]:
+        """x's shape tokens whose shape (colour, kind and place) y does not have."""
+        has = {tuple(r) for r in y[y[:, 1] > 0].tolist()}
+        return [t for t, r in enumerate(x.tolist()) if r[1] > 0 and tuple(r) not in has]
+
+    keys = [a + t for t in lacking(first, second)] + [b + t for t in lacking(second, first)]
+    return tokens, (e.num_prompt - 1, torch.tensor(keys) if keys else sink)
 
 
 def _probes(
@@ -817,16 +824,15 @@ def _probes(
 ) -> tuple[AttentionProbe, ...]:
     """The step's attention supervision: each example's lookups (onto a shape's vision
     tokens, at `layers`, with the shape's labels for read supervision), fetches (onto the
-    question's words, at `fetch_layers`) and compares (onto each picture's shapes, a head per
-    picture, at `compare_layers`) as rows and keys of the packed layout (by default each
+    question's words, at `fetch_layers`) and matches (a "same scene?" question's, at
+    `match_layers`, see _matches) as rows and keys of the packed layout (by default each
     example a sequence of its own)."""
     packing = packing or layout(batch)
     total = sum(packing.seq_lens)
     lookups: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (row, seen keys, targets)
     read: list[torch.Tensor] = []  # per lookup, its shape's labels
     fetches: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-    compares: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[] for _ in attn.compare_heads]
-    held: list[list[torch.Tensor]] = [[] for _ in attn.compare_heads]  # what each picture holds
+    matches: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[], []]  # tokens, last row
     for i, e in enumerate(batch):
         for row, image, kind in e.lookups:
             on = (e.token_labels[image][:, 1] == kind).nonzero().squeeze(1)
@@ -835,20 +841,16 @@ def _probes(
                 read.append(e.token_labels[image][on[0]])
         for row, tokens in e.fetches:
             fetches.append(packing.supervised(i, row, torch.tensor(tokens)))
-        for row, image in e.compares if attn.compare_layers else ():
-            on = (e.token_labels[image][:, 1] > 0).nonzero().squeeze(1)
-            if len(on) and image < len(compares):
-                compares[image].append(packing.supervised(i, row, e.spans[image].offset + on))
-                held[image].append(_held(e.token_labels[image]))
+        if attn.match_layers and e.same_scene:
+            tokens, last = _matches(e)
+            matches[0] += [packing.supervised(i, row, keys) for row, keys in tokens]
+            matches[1].append(packing.supervised(i, *last))
     probes = []
     reading = attn.readers is not None and attn.read_weight > 0
-    sets = [
-        (attn.layers, attn.heads, lookups, read, ""),
-        (attn.fetch_layers, attn.heads, fetches, [], ""),
-    ]
-    for i, h in enumerate(attn.compare_heads):
-        sets.append((attn.compare_layers, (h,), compares[i], held[i], f"compare{h}_"))
-    for at, heads, pairs, labels, prefix in sets:
+    sets = [(attn.layers, attn.heads, lookups, read), (attn.fetch_layers, attn.heads, fetches, [])]
+    for i, (layer, h) in enumerate(zip(attn.match_layers, attn.match_heads, strict=False)):
+        sets.append(((layer,), (h,), matches[i], []))
+    for at, heads, pairs, labels in sets:
         if not at or not pairs:
             continue
         allowed = torch.stack([seen for _, seen, _ in pairs])
@@ -857,8 +859,8 @@ def _probes(
             targets[i, keys] = True
         rows = torch.tensor([row for row, _, _ in pairs])
         extra = {}
-        if reading and labels and (not prefix or attn.compare_read):
-            extra = {"read": torch.stack(labels), "readers": attn.readers, "prefix": prefix}
+        if reading and labels:
+            extra = {"read": torch.stack(labels), "readers": attn.readers}
         probes.append(AttentionProbe(at, heads, rows, allowed, targets, **extra))
     return tuple(probes)
 
@@ -959,15 +961,6 @@ def _train(
         readers = torch.nn.ModuleDict(
             {str(i): torch.nn.Linear(width, sum(LABELS)) for i in settings.attn_layers}
         )
-        if settings.compare_read:
-            held = sum(LABELS) - len(LABELS)  # multi-hot, without the background classes
-            readers.update(
-                {
-                    f"compare{h}_{i}": torch.nn.Linear(arch.text.head_dim, held)
-                    for h in settings.compare_heads
-                    for i in settings.compare_layers
-                }
-            )
         heads.append(readers)
     frozen = settings.freeze_tower and settings.tower_steps > 0
     if frozen:
@@ -1015,9 +1008,8 @@ def _train(
         settings.attn_fetch_layers,
         readers,
         settings.read_weight,
-        settings.compare_layers,
-        settings.compare_heads,
-        settings.compare_read,
+        settings.match_layers,
+        settings.match_heads,
     )
     lm_aux_head = lm_aux_head if settings.lm_aux_weight else None
     for step, batch in enumerate(_prefetched(batch_of, settings.steps)):
@@ -1058,13 +1050,18 @@ def validate(settings: TrainSettings) -> None:
     """Raise ValueError for settings no training can run with."""
     if settings.workers < 1:
         raise ValueError(f"workers: at least 1, got {settings.workers}")
+    if settings.match_layers and not len(settings.match_layers) == len(settings.match_heads) == 2:
+        raise ValueError(
+            f"match_layers and match_heads: two each (or no match_layers), got "
+            f"{settings.match_layers} and {settings.match_heads}"
+        )
     shape = settings.shape
     for name, values, limit in (
         ("attn_layers", settings.attn_layers, shape.num_layers),
         ("attn_fetch_layers", settings.attn_fetch_layers, shape.num_layers),
         ("attn_heads", settings.attn_heads, shape.num_heads),
-        ("compare_layers", settings.compare_layers, shape.num_layers),
-        ("compare_heads", settings.compare_heads, shape.num_heads),
+        ("match_layers", settings.match_layers, shape.num_layers),
+        ("match_heads", settings.match_heads if settings.match_layers else (), shape.num_heads),
     ):
         if any(not 0 <= v < limit for v in values):
             raise ValueError(f"{name}: each from 0 to {limit - 1}, got {values}")
