@@ -425,16 +425,18 @@ def test_cli_train_demo_refuses_an_unknown_setting(tmp_path, capsys):
         assert bad.partition("=")[0] in capsys.readouterr().err
 
 
-def test_a_shared_picture_is_encoded_once_with_the_same_loss(tmp_path):
-    """Questions about one picture share its tower pass; the loss and gradients equal those
-    of each question encoding its own copy."""
-    out = tmp_path / "m"
+def _small_model(out: Path, attention: PackedCausalAttention):
+    """SMALL's config, tokenizer and freshly initialised tower and LM (seed 0) in `out`."""
     write_config(out, SMALL)
     arch = load_arch_config(out)
     torch.manual_seed(0)
-    tower = VisionTower(arch.vision)
-    lm = Qwen2LanguageModel(arch.text, PackedCausalAttention())
-    encoder = Encoder(out)
+    return arch, VisionTower(arch.vision), Qwen2LanguageModel(arch.text, attention), Encoder(out)
+
+
+def test_a_shared_picture_is_encoded_once_with_the_same_loss(tmp_path):
+    """Questions about one picture share its tower pass; the loss and gradients equal those
+    of each question encoding its own copy."""
+    arch, tower, lm, encoder = _small_model(tmp_path / "m", PackedCausalAttention())
     qs = scenes.questions(1_000_321, 3)
     processed: dict = {}
     shared = [encoder.example(q, True, processed) for q in qs]
@@ -460,16 +462,10 @@ def test_questions_sharing_a_prefix_give_the_loss_and_gradients_of_each_alone(tm
     """share_prefix packs the questions about one picture as one sequence, the picture's
     prefix once: the loss (answers, auxiliary and attention supervision) and every gradient
     are those of the questions packed apart."""
-    out = tmp_path / "m"
-    write_config(out, SMALL)
-    arch = load_arch_config(out)
-    torch.manual_seed(0)
-    tower = VisionTower(arch.vision)
-    lm = Qwen2LanguageModel(arch.text, PackedCausalAttention(group=2))
+    arch, tower, lm, encoder = _small_model(tmp_path / "m", PackedCausalAttention(group=2))
     width = 2 * arch.text.head_dim
     readers = torch.nn.ModuleDict({str(i): torch.nn.Linear(width, sum(LABELS)) for i in (1, 2)})
     heads = [torch.nn.Linear(arch.text.hidden_size, n) for n in (13, 19)]
-    encoder = Encoder(out)
     batch = []
     for seed in (1_000_321, 1_000_400, 1_000_305):  # each picture with three questions
         processed: dict = {}
