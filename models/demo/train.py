@@ -169,7 +169,7 @@ class TrainSettings:
     # Questions about one picture share their prefix (the chat template and the picture) in
     # the LM's packed step: it runs once, not once per question (Layout). The same loss in
     # fewer operations (a step 15-19% cheaper at 2 questions a picture); off, each question
-    # is a sequence of its own (the recipes before run EA, README).
+    # is a sequence of its own, as in the recipes before run DA (README).
     share_prefix: bool = True
     # "Same scene?" by matching (empty: off): in layer match_layers[0] each shape token of the
     # second picture is pulled with head match_heads[0] onto the first picture's tokens of
@@ -848,8 +848,9 @@ def _probes(
     probes = []
     reading = attn.readers is not None and attn.read_weight > 0
     sets = [(attn.layers, attn.heads, lookups, read), (attn.fetch_layers, attn.heads, fetches, [])]
-    for i, (layer, h) in enumerate(zip(attn.match_layers, attn.match_heads, strict=False)):
-        sets.append(((layer,), (h,), matches[i], []))
+    if attn.match_layers:  # two layers, two heads (validated)
+        for i, (layer, h) in enumerate(zip(attn.match_layers, attn.match_heads, strict=True)):
+            sets.append(((layer,), (h,), matches[i], []))
     for at, heads, pairs, labels in sets:
         if not at or not pairs:
             continue
