@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -410,15 +411,20 @@ class Layout:
     masks: tuple[torch.Tensor | None, ...]  # per sequence, as PackedMetadata.masks
     seqs: tuple[int, ...]  # per example, its sequence
 
+    @functools.cached_property
+    def starts(self) -> tuple[int, ...]:
+        """Each sequence's first packed row, and the packed total last."""
+        return (0, *itertools.accumulate(self.seq_lens))
+
     def supervised(
         self, example: int, token: int, keys: torch.Tensor
     ) -> tuple[int, torch.Tensor, torch.Tensor]:
         """An example's token as a supervised query (AttentionProbe): its packed row, the
         packed keys it attends to ([all packed tokens] bool), and its `keys` packed."""
         seq = self.seqs[example]
-        start = sum(self.seq_lens[:seq])
+        start = self.starts[seq]
         row = int(self.rows[example][token])
-        seen = torch.zeros(sum(self.seq_lens), dtype=torch.bool)
+        seen = torch.zeros(self.starts[-1], dtype=torch.bool)
         mask = self.masks[seq]
         if mask is None:
             seen[start : row + 1] = True
@@ -749,7 +755,7 @@ def forward_loss(
         tokens, labels_once = torch.cat(encoded), torch.cat(unique_labels)
         aux = aux_weight * tower_aux_loss(aux_head, tokens, labels_once, aux_background_weight)[0]
     packing = layout(batch, share_prefix)
-    total = sum(packing.seq_lens)
+    total = packing.starts[-1]
     ids = torch.zeros(total, dtype=torch.long)
     positions = torch.zeros(3, total, dtype=torch.long)
     is_mm = torch.zeros(total, dtype=torch.bool)
@@ -828,7 +834,7 @@ def _probes(
     `match_layers`, see _matches) as rows and keys of the packed layout (by default each
     example a sequence of its own)."""
     packing = packing or layout(batch)
-    total = sum(packing.seq_lens)
+    total = packing.starts[-1]
     lookups: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (row, seen keys, targets)
     read: list[torch.Tensor] = []  # per lookup, its shape's labels
     fetches: list[tuple[int, torch.Tensor, torch.Tensor]] = []
