@@ -254,6 +254,49 @@ def test_lookups_point_each_named_colour_or_kind_at_its_shape():
     assert seen == set(scenes.QUESTION_WEIGHTS)
 
 
+def test_descriptions_look_up_each_next_shape_and_what_is_left_to_name():
+    encoder = Encoder(builtin_model())
+    batch, samples = [], []
+    for seed in range(80):
+        sample = scenes.sample(seed)
+        if sample.answer.startswith(("a ", "an ")):
+            plain = encoder.example(sample, drawn_labels=True)
+            batch.append(encoder.example(sample, drawn_labels=True, describe_order=True))
+            samples.append(sample)
+            assert plain.continues == [] and set(plain.lookups) < set(batch[-1].lookups)
+    assert {s.kind for s in samples} == {"describe", "same"}  # one picture; one of two
+    probes = _probes(batch, Supervision(1.0, (1, 2), (0, 1), (0,)))
+    left = probes[-1]  # the continues' set: after the lookups' and the fetches'
+    assert (left.layers, left.heads, left.read) == ((1, 2), (0, 1), None)
+    start, q, sizes = 0, 0, set()
+    for e, sample in zip(batch, samples, strict=True):
+        words = [encoder.tokenizer.decode([t]).strip() for t in e.token_ids]
+        image = 0 if len(sample.scenes) == 1 else int(" second " in sample.question)
+        shapes = sorted(sample.scenes[image].shapes, key=lambda s: scenes.KINDS.index(s.kind))
+        articles = [j for j in range(e.num_prompt, len(words)) if words[j] in ("a", "an")]
+        names = [j for j in range(e.num_prompt, len(words)) if words[j] in scenes.KINDS]
+        assert len(articles) == len(names) == len(shapes)
+        sizes.add(len(shapes))
+        for i, shape in enumerate(shapes):
+            kind = 1 + scenes.KINDS.index(shape.kind)
+            # The row before the article looks the shape up ("an" is for orange).
+            assert (articles[i] - 1, image, kind) in e.lookups
+            if i:  # it and the article's row fetch the kind named last
+                assert (articles[i] - 1, [names[i - 1]]) in e.fetches
+                assert (articles[i], [names[i - 1]]) in e.fetches
+            # The kind word's row (",", " and" or the end next) sees the shapes left.
+            later = {1 + scenes.KINDS.index(s.kind) for s in shapes[i + 1 :]}
+            assert left.rows[q] == start + names[i]
+            keys = left.targets[q].nonzero().squeeze(1) - start - e.spans[image].offset
+            if later:
+                assert set(e.token_labels[image][keys, 1].tolist()) == later
+            else:
+                assert keys.tolist() == [-e.spans[image].offset]  # the first token
+            q += 1
+        start += len(e.token_ids)
+    assert q == len(left.rows) and sizes == {1, 2, 3}
+
+
 def test_same_scene_questions_match_the_second_pictures_shapes_to_the_first():
     encoder = Encoder(builtin_model())
     batch, samples = [], []

@@ -182,6 +182,14 @@ class TrainSettings:
     # not (a row reading each picture's whole content to compare, run AL, did not learn it).
     match_layers: tuple[int, ...] = (1, 2)
     match_heads: tuple[int, ...] = (3, 2)
+    # Descriptions in order (attention supervision, needs attn_weight): "a red circle, an
+    # orange star and a yellow cross" names the shapes in KINDS' order, so each next shape
+    # is the one of the least kind after the last named. Besides the colour and kind rows
+    # (lookups), the row before each article looks up the shape it introduces (the article
+    # is "an" for orange); that row and the article's row fetch, in attn_fetch_layers, the
+    # kind named last; and the row of each kind word, which must choose between ",", " and"
+    # and the end, is pulled onto the shapes still to name (onto the first token when none).
+    describe_order: bool = False
     shape: Shape = field(default=DEMO_SHAPE)
 
 
@@ -521,6 +529,9 @@ class Example:
     fetches: list[tuple[int, list[int]]] = field(default_factory=list)
     # "Do these two pictures show the same scene?" (the match supervision's questions).
     same_scene: bool = False
+    # (row, media index, kind labels): a description's row that chooses what follows a
+    # shape's name, and the kinds (1-based) still to name (TrainSettings.describe_order).
+    continues: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
 
 
 # Pictures already processed, by id(): the picture (kept alive, so that its id stays its own)
@@ -564,6 +575,7 @@ class Encoder:
         sample: scenes.Sample,
         drawn_labels: bool = False,
         processed: Processed | None = None,
+        describe_order: bool = False,
     ) -> Example:
         example = self.prompt(sample, processed)
         example.token_ids += [*self.tokenizer.encode(sample.answer), self.end]
@@ -574,6 +586,8 @@ class Encoder:
         example.lookups = self.lookups(sample, example)
         example.fetches = self.fetches(sample, example)
         example.same_scene = sample.question == scenes.SAME_SCENE
+        if describe_order:
+            self.order(sample, example)
         return example
 
     def fetches(self, sample: scenes.Sample, example: Example) -> list[tuple[int, list[int]]]:
@@ -599,11 +613,8 @@ class Encoder:
         """Example.lookups: each answer token that is a colour or a kind names one shape of
         the picture the answer is about (a scene's shapes differ in both); a "where"
         question's first answer token is about the shape it names."""
-        if sample.question.startswith("What is in the "):  # one of two pictures
-            image = next(i for i, o in enumerate(scenes.ORDINALS) if f" {o} " in sample.question)
-        elif len(sample.scenes) == 1:
-            image = 0
-        else:
+        image = _about(sample)
+        if image is None:
             return []  # same scene or not: about both
         shapes = sample.scenes[image].shapes
         out = []
@@ -616,6 +627,36 @@ class Encoder:
                 if word in (shape.kind, shape.colour):
                     out.append((j - 1, image, 1 + scenes.KINDS.index(shape.kind)))
         return out
+
+    def order(self, sample: scenes.Sample, example: Example) -> None:
+        """A description's order supervision (TrainSettings.describe_order), added to the
+        example's lookups and fetches and set as its continues."""
+        image = _about(sample)
+        if image is None or not sample.answer.startswith(("a ", "an ")):
+            return  # not a description
+        shapes = sorted(sample.scenes[image].shapes, key=lambda s: scenes.KINDS.index(s.kind))
+        kinds = [1 + scenes.KINDS.index(s.kind) for s in shapes]
+        articles, names = [], []  # per shape, its article's and its kind's token
+        for j in range(example.num_prompt, len(example.token_ids)):
+            word = self.tokenizer.decode([example.token_ids[j]]).strip()
+            if word in ("a", "an"):
+                articles.append(j)
+            elif len(names) < len(articles) and word == shapes[len(names)].kind:
+                names.append(j)
+        if not len(articles) == len(names) == len(shapes):
+            raise ValueError(f"not a description of {shapes}: {sample.answer!r}")
+        for i, (article, name) in enumerate(zip(articles, names, strict=True)):
+            example.lookups.append((article - 1, image, kinds[i]))
+            if i:
+                example.fetches += [(article - 1, [names[i - 1]]), (article, [names[i - 1]])]
+            example.continues.append((name, image, tuple(kinds[i + 1 :])))
+
+
+def _about(sample: scenes.Sample) -> int | None:
+    """The picture a question is about (None: both, "same scene?")."""
+    if sample.question.startswith("What is in the "):  # one of two pictures
+        return next(i for i, o in enumerate(scenes.ORDINALS) if f" {o} " in sample.question)
+    return 0 if len(sample.scenes) == 1 else None
 
 
 def place_labels(scene: scenes.Scene, grid_thw: tuple[int, int, int], merge: int) -> torch.Tensor:
@@ -839,6 +880,7 @@ def _probes(
     read: list[torch.Tensor] = []  # per lookup, its shape's labels
     fetches: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     matches: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[], []]  # tokens, last row
+    continues: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     for i, e in enumerate(batch):
         for row, image, kind in e.lookups:
             on = (e.token_labels[image][:, 1] == kind).nonzero().squeeze(1)
@@ -847,13 +889,22 @@ def _probes(
                 read.append(e.token_labels[image][on[0]])
         for row, tokens in e.fetches:
             fetches.append(packing.supervised(i, row, torch.tensor(tokens)))
+        for row, image, kinds in e.continues:
+            on = torch.isin(e.token_labels[image][:, 1], torch.tensor(kinds)).nonzero().squeeze(1)
+            if len(on) or not kinds:  # onto the first token when no shape is left
+                keys = e.spans[image].offset + on if len(on) else torch.tensor([0])
+                continues.append(packing.supervised(i, row, keys))
         if attn.match_layers and e.same_scene:
             tokens, last = _matches(e)
             matches[0] += [packing.supervised(i, row, keys) for row, keys in tokens]
             matches[1].append(packing.supervised(i, *last))
     probes = []
     reading = attn.readers is not None and attn.read_weight > 0
-    sets = [(attn.layers, attn.heads, lookups, read), (attn.fetch_layers, attn.heads, fetches, [])]
+    sets = [
+        (attn.layers, attn.heads, lookups, read),
+        (attn.fetch_layers, attn.heads, fetches, []),
+        (attn.layers, attn.heads, continues, []),
+    ]
     if attn.match_layers:  # two layers, two heads (validated)
         for i, (layer, h) in enumerate(zip(attn.match_layers, attn.match_heads, strict=True)):
             sets.append(((layer,), (h,), matches[i], []))
@@ -991,6 +1042,7 @@ def _train(
     lm.train()
 
     weights = _question_weights(settings)
+    order = settings.describe_order and settings.attn_weight > 0
 
     def batch_of(step: int) -> list[Example]:
         """This worker's share of the step's samples: whole pictures with their questions."""
@@ -999,12 +1051,15 @@ def _train(
         per = settings.questions_per_picture
         pictures = _share(seeds[::per], rank, workers)
         if per == 1 and not weights:
-            return [encoder.example(scenes.sample(s), settings.drawn_labels) for s in pictures]
+            return [
+                encoder.example(scenes.sample(s), settings.drawn_labels, None, order)
+                for s in pictures
+            ]
         out: list[Example] = []
         for s in pictures:
             processed: Processed = {}
             for sample in scenes.questions(s, min(per, seeds.stop - s), weights):
-                out.append(encoder.example(sample, settings.drawn_labels, processed))
+                out.append(encoder.example(sample, settings.drawn_labels, processed, order))
         return out
 
     total = settings.tower_steps + settings.steps
