@@ -537,6 +537,18 @@ def test_questions_sharing_a_prefix_give_the_loss_and_gradients_of_each_alone(tm
             torch.testing.assert_close(g2, g, rtol=1e-4, atol=1e-6)
 
 
+def test_training_flushes_denormals_and_evaluation_keeps_them(tmp_path):
+    settings = TrainSettings(
+        steps=2, batch_size=2, warmup=1, tower_steps=1, tower_batch=2, shape=SMALL,
+        workers=1, flush_denormals=True, **SMALL_HEADS,
+    )  # fmt: skip
+    tiny = torch.tensor([1e-40])  # a float32 denormal
+    during = []
+    train(tmp_path / "m", settings, progress=lambda *_: during.append((tiny * 2).item()))
+    assert during == [0.0] * 3  # flushed in every step of both phases
+    assert (tiny * 2).item() == pytest.approx(2e-40)  # as before, once training is over
+
+
 def test_partial_checkpoints_are_evaluated_without_changing_the_training(tmp_path):
     # Two workers: the same settings give the same bytes (the gradients' mean is exact: both
     # workers add the same two tensors).
