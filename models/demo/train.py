@@ -189,11 +189,11 @@ class TrainSettings:
     # is "an" for orange); that row and the article's row fetch, in attn_fetch_layers, the
     # kind named last; and the row of each kind word, which must choose between ",", " and"
     # and the end, is pulled onto the shapes still to name (onto the first token when none).
-    describe_order: bool = False
+    describe_order: bool = True
     # Floats too small for a normal float32 (< 1.2e-38) count as zero in the training
     # threads: a trained model's activations and gradients hold many, and the CPU computes
-    # with them tens of times slower (a joint step of the trained model: about 28% dearer).
-    flush_denormals: bool = False
+    # with them tens of times slower (a joint step of a trained model: about 38% dearer).
+    flush_denormals: bool = True
     shape: Shape = field(default=DEMO_SHAPE)
 
 
