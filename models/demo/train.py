@@ -1001,8 +1001,8 @@ def _train(
 ) -> None:
     """One worker's training (the whole of it when there is one worker), into `out`, where
     the config is already written."""
-    # Per thread (the CPU's control register): the threads that compute are this one and,
-    # with more torch threads, intra-op threads that keep the default.
+    # A per-thread mode (the CPU's control register): the recipe's workers compute on this
+    # thread alone (one torch thread each); intra-op threads made earlier keep theirs.
     torch.set_flush_denormal(settings.flush_denormals)
     try:
         _train_here(out, settings, progress, save_every, on_save)
@@ -1017,6 +1017,7 @@ def _train_here(
     save_every: int,
     on_save: Callable[[int], None] | None,
 ) -> None:
+    """_train's work, in the thread's denormal mode."""
     rank, workers = _rank_and_workers()
     progress, on_save = (progress, on_save) if rank == 0 else (None, None)
     arch = load_arch_config(out)
