@@ -78,6 +78,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     ev.add_argument("--target", default="127.0.0.1:50051", help="proxy gRPC address")
     ev.add_argument("--count", type=int, default=HELD_OUT, help="scenes (default 500)")
+    ev.add_argument(
+        "--first", type=int, default=0, metavar="SEED",
+        help="the first scene's seed (default 0: the held-out scenes are 0-499; the validation "
+        "scenes that chose the shipped draw, 500-1499: --first 500 --count 1000)",
+    )  # fmt: skip
     ev.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     ev.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     ev.set_defaults(func=cmd_scene_eval)
@@ -184,7 +189,8 @@ def cmd_scene_eval(args: argparse.Namespace) -> int:
     from models.demo.train import Accuracy
     from proto import epd_pb2_grpc
 
-    samples = [(seed, scenes.sample(seed)) for seed in range(args.count)]
+    seeds = range(args.first, args.first + args.count)
+    samples = [(seed, scenes.sample(seed)) for seed in seeds]
     accuracy = Accuracy()
     start = time.monotonic()
     with grpc.insecure_channel(args.target, options=GRPC_OPTIONS) as channel:

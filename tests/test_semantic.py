@@ -11,8 +11,10 @@ bf16 weights) for the same picture and question; held-out accuracy is checked on
 from __future__ import annotations
 
 import base64
+import json
 import random
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -139,12 +141,33 @@ def test_multi_image_prompts_are_answered_about_the_right_image(cluster):
                 question = f"What is in the {which} picture?"
                 samples.append(scenes.Sample("same", question, "", images, ()))
     want = expected(samples)
-    # The reference path's answers depend on the pictures' order (the shipped model describes
-    # the second picture whichever one is asked about, so in all 12 pairs): a request whose
-    # pictures were swapped or mixed up on the way answers about the wrong one.
+    # The reference path's answers depend on the pictures' order (in all 12 pairs with the
+    # shipped model, which answers 27 of the 48 right): a request whose pictures were swapped
+    # or mixed up on the way answers about the wrong one.
     # samples[4k .. 4k+3]: (a, b) first, (a, b) second, (b, a) first, (b, a) second.
     assert sum(want[i] != want[i + 2] for i in range(0, len(want), 4)) >= len(want) // 8
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda s: ask(cluster.stub, s, 60), samples))
-    assert colours(got) == colours(want)
+    # Pictures swapped on the way would change the colours of at least 6 answers (the pairs
+    # whose answers depend on the order). Two may differ: two unrelated pictures are not what
+    # the model was trained on (its two-picture questions are about one scene and an altered
+    # copy), and on one pair the shipped model is unsure of every word (the reference path
+    # answers "a red square and a green star" in bf16, a run of repeated shapes in float32).
+    differ = sum(a != b for a, b in zip(colours(got), colours(want), strict=True))
+    assert differ <= 2, list(zip(got, want, strict=True))
     assert agreement(got, want) >= MIN_AGREEMENT
+
+
+def test_scene_eval_scores_the_cluster_on_the_scenes_asked_for(cluster, capsys):
+    from epd.cli import main as epd_main
+
+    target = f"127.0.0.1:{cluster.proxy_grpc}"
+    assert epd_main(["scene-eval", "--target", target, "--first", "500", "--count", "6"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    # Validation scenes 500-505 (the first six held-out ones ask other kinds of question).
+    samples = [scenes.sample(seed) for seed in range(500, 506)]
+    kinds = Counter(s.kind for s in samples)
+    assert {k: int(v.split("/")[1]) for k, v in summary["by_kind"].items()} == kinds
+    # Right as often as the reference path, give or take one near-tie.
+    right = sum(g == s.answer for g, s in zip(expected(samples), samples, strict=True))
+    assert abs(summary["right"] - right) <= 1 and summary["total"] == 6

@@ -17,7 +17,8 @@ then that shape's tokens).
 
 Deterministic: training samples are scenes.sample(TRAIN_SEED_BASE + i), the held-out set is
 scenes.sample(0 .. 499), and weights start from torch.manual_seed(settings.seed); the same
-settings and thread count give the same bytes.
+settings and thread count give the same bytes. The shipped draw (the default seed) was
+chosen on validation scenes, scenes.sample(500 .. 1499), neither held out nor trained on.
 """
 
 from __future__ import annotations
@@ -114,7 +115,10 @@ class TrainSettings:
     lr: float = 2e-3
     warmup: int = 100
     weight_decay: float = 0.01
-    seed: int = 0
+    # The initialisation's seed (the data are the same at any): 1, the better of two draws on
+    # validation scenes (seeds 500-1499, neither held out nor trained on): JA at 0 91.4%, KA
+    # at 1 92.9%.
+    seed: int = 1
     aux_weight: float = AUX_WEIGHT  # the tower's auxiliary loss (colour and kind per token)
     lm_aux_weight: float = LM_AUX_WEIGHT  # the LM's (colour, kind and place per vision token)
     min_lr: float = 0.05  # the cosine schedule's floor, a fraction of lr
