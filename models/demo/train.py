@@ -555,6 +555,14 @@ class Encoder:
         self.tokenizer = Tokenizer.from_dir(checkpoint)
         self.processor = MediaProcessor.from_checkpoint(checkpoint)
         self.end = self.tokenizer.required_id("<|im_end|>")
+        self._words: dict[int, str] = {}
+
+    def word(self, token_id: int) -> str:
+        """A token's text without the spaces around it (the supervision's targets are found
+        by the words that name them, in every example: each token decoded once)."""
+        if token_id not in self._words:
+            self._words[token_id] = self.tokenizer.decode([token_id]).strip()
+        return self._words[token_id]
 
     def prompt(self, sample: scenes.Sample, processed: Processed | None = None) -> Example:
         """The chat prompt's ids and media; `processed` lets questions about one picture
@@ -611,9 +619,7 @@ class Encoder:
         words = set(named(sample.question))
         after = max(s.offset for s in example.spans)
         tokens = [
-            j
-            for j in range(after, example.num_prompt)
-            if self.tokenizer.decode([example.token_ids[j]]).strip() in words
+            j for j in range(after, example.num_prompt) if self.word(example.token_ids[j]) in words
         ]
         return [(example.num_prompt - 1, tokens)] if tokens else []
 
@@ -630,7 +636,7 @@ class Encoder:
             shape = next(s for s in shapes if f" {s.kind}?" in sample.question)
             out.append((example.num_prompt - 1, image, 1 + scenes.KINDS.index(shape.kind)))
         for j in range(example.num_prompt, len(example.token_ids)):
-            word = self.tokenizer.decode([example.token_ids[j]]).strip()
+            word = self.word(example.token_ids[j])
             for shape in shapes:
                 if word in (shape.kind, shape.colour):
                     out.append((j - 1, image, 1 + scenes.KINDS.index(shape.kind)))
@@ -646,7 +652,7 @@ class Encoder:
         kinds = [1 + scenes.KINDS.index(s.kind) for s in shapes]
         articles, names = [], []  # per shape, its article's and its kind's token
         for j in range(example.num_prompt, len(example.token_ids)):
-            word = self.tokenizer.decode([example.token_ids[j]]).strip()
+            word = self.word(example.token_ids[j])
             if word in ("a", "an"):
                 articles.append(j)
             elif len(names) < len(articles) and word == shapes[len(names)].kind:
