@@ -16,6 +16,7 @@ import torch
 from models import AudioClip, FamilyOptions, MediaError, MediaInput, load_family
 from models.testing import make_checkpoint
 from models.testing.attention import ContiguousKVAttention
+from models.testing.reference import transcribe as reference_transcribe
 from models.voxtral_realtime import audio as audio_io
 from tests.voxtral_helpers import (
     ORACLE_SHAPES,
@@ -23,7 +24,6 @@ from tests.voxtral_helpers import (
     hf_checkpoint,
     hf_model,
     hf_processor,
-    reference_transcribe,
     speech_like,
 )
 

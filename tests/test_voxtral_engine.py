@@ -14,9 +14,10 @@ from lm_worker.request import Request
 from models import MMFeature, SamplingParams, load_family
 from models.testing import make_checkpoint
 from models.testing.attention import ContiguousKVAttention
+from models.testing.reference import transcribe as reference_transcribe
 from models.voxtral_realtime import audio as audio_io
 from tests.lm_helpers import Collected, make_engine
-from tests.voxtral_helpers import hf_model, hf_processor, reference_transcribe, speech_like
+from tests.voxtral_helpers import hf_model, hf_processor, speech_like
 
 
 @pytest.fixture(scope="module")

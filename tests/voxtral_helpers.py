@@ -1,6 +1,6 @@
 """Helpers for the Voxtral Realtime tests: checkpoints written by transformers itself, its
-processor (feature extractor + mistral-common tokenizer) as the oracle, clips as bytes, and a
-plain reference generation loop over our modules."""
+processor (feature extractor + mistral-common tokenizer) as the oracle, clips as bytes, (the
+reference generation loop over our modules is models.testing.reference.transcribe)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import numpy as np
 import soundfile
 import torch
 
-from models.testing.attention import ContiguousKVAttention
 from models.testing.make_voxtral import (
     VOXTRAL_SHAPES,
     VoxtralShape,
@@ -117,28 +116,3 @@ def encode(samples: np.ndarray, rate: int = 16000, fmt: str = "WAV", subtype: st
     buf = io.BytesIO()
     soundfile.write(buf, samples, rate, format=fmt, subtype=subtype)
     return buf.getvalue()
-
-
-@torch.inference_mode()
-def reference_transcribe(lm, audio_embeds: torch.Tensor, prompt: list[int], eos: set[int]):
-    """Greedy transcription with our LM on a contiguous KV cache: the prompt takes the first
-    audio embeddings at prefill, every decode step adds its position's; it stops when the
-    audio's positions are consumed or at EOS."""
-    attention = ContiguousKVAttention(lm.config.num_layers)
-    for layer in lm.layers:
-        layer.self_attn.backend = attention
-    total = audio_embeds.shape[0]
-    ids = list(prompt)
-    n = len(ids)
-    x = lm.embed_tokens(torch.tensor(ids)) + audio_embeds[:n]
-    hidden = lm(None, torch.arange(n), x, attention.metadata([0], [n]))
-    out = []
-    while True:
-        token = int(lm.compute_logits(hidden[-1:]).argmax(-1))
-        out.append(token)
-        ids.append(token)
-        if token in eos or len(ids) >= total:
-            return out
-        pos = len(ids) - 1
-        x = lm.embed_tokens(torch.tensor([token])) + audio_embeds[pos : pos + 1]
-        hidden = lm(None, torch.tensor([pos]), x, attention.metadata([0], [1]))

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -201,16 +201,20 @@ class TrainSettings:
     shape: Shape = field(default=DEMO_SHAPE)
 
 
-def with_overrides(settings: TrainSettings, assignments: Iterable[str]) -> TrainSettings:
-    """`settings` with "FIELD=VALUE" (a TrainSettings field) or "shape.FIELD=VALUE" (a model
-    size) applied: values parse as the field's current type (a tuple from "a,b,c", a bool from
-    true / false, a float where the default is None)."""
+Settings = TypeVar("Settings", bound=Any)
+
+
+def with_overrides(settings: Settings, assignments: Iterable[str]) -> Settings:
+    """`settings` (TrainSettings, or the speech model's SpeechSettings) with "FIELD=VALUE" (one
+    of its fields) or "shape.FIELD=VALUE" (a model size) applied: values parse as the field's
+    current type (a tuple from "a,b,c", a bool from true / false, a float where the default
+    is None)."""
     for assignment in assignments:
         name, sep, text = assignment.partition("=")
         target: Any = settings.shape if name.startswith("shape.") else settings
         key = name.removeprefix("shape.")
         if not sep or key not in {f.name for f in dataclasses.fields(target)} or key == "shape":
-            fields = [f.name for f in dataclasses.fields(TrainSettings) if f.name != "shape"]
+            fields = [f.name for f in dataclasses.fields(settings) if f.name != "shape"]
             raise ValueError(
                 f"not FIELD=VALUE or shape.FIELD=VALUE with a known field: {assignment!r} "
                 f"(fields: {', '.join(fields)}; shape.*: the model's sizes)"

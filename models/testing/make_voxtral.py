@@ -9,6 +9,7 @@ BPE: the 256 byte tokens come first, so any text encodes) after the family's spe
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -209,11 +210,22 @@ def preprocessor_config(num_mel_bins: int) -> dict[str, Any]:
     }
 
 
-def tekken(s: VoxtralShape) -> dict[str, Any]:
+def tekken(s: VoxtralShape, vocab: list[bytes] | None = None) -> dict[str, Any]:
     """A Tekken v13 tokenizer file: the family's special tokens, then the first
-    `num_bpe_tokens` ranks of mistral-common's bundled vocabulary, and the audio section."""
+    `num_bpe_tokens` ranks of mistral-common's bundled vocabulary (or `vocab`: the 256 bytes
+    first, then tokens each made of two before it), and the audio section."""
     source = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
     base = json.loads(source.read_text(encoding="utf-8"))
+    if vocab is not None:
+        assert len(vocab) == s.num_bpe_tokens, "num_bpe_tokens is the vocabulary's size"
+        base["vocab"] = [
+            {
+                "rank": i,
+                "token_bytes": base64.b64encode(t).decode("ascii"),
+                "token_str": t.decode("utf-8", errors="replace"),
+            }
+            for i, t in enumerate(vocab)
+        ]
     special = [
         {"rank": i, "token_str": t, "is_control": True} for i, t in enumerate(SPECIAL_TOKENS)
     ]

@@ -275,3 +275,28 @@ def generate(
 ) -> list[int]:
     """Load a checkpoint and generate for one prompt: `ReferenceModel(...).generate(...)`."""
     return ReferenceModel(checkpoint_dir, dtype).generate(prompt, media, **sampling)
+
+
+@torch.inference_mode()
+def transcribe(lm, audio_embeds: torch.Tensor, prompt: list[int], eos: set[int]):
+    """Greedy transcription with our LM on a contiguous KV cache: the prompt takes the first
+    audio embeddings at prefill, every decode step adds its position's; it stops when the
+    audio's positions are consumed or at EOS."""
+    attention = ContiguousKVAttention(lm.config.num_layers)
+    for layer in lm.layers:
+        layer.self_attn.backend = attention
+    total = audio_embeds.shape[0]
+    ids = list(prompt)
+    n = len(ids)
+    x = lm.embed_tokens(torch.tensor(ids)) + audio_embeds[:n]
+    hidden = lm(None, torch.arange(n), x, attention.metadata([0], [n]))
+    out = []
+    while True:
+        token = int(lm.compute_logits(hidden[-1:]).argmax(-1))
+        out.append(token)
+        ids.append(token)
+        if token in eos or len(ids) >= total:
+            return out
+        pos = len(ids) - 1
+        x = lm.embed_tokens(torch.tensor([token])) + audio_embeds[pos : pos + 1]
+        hidden = lm(None, torch.tensor([pos]), x, attention.metadata([0], [1]))

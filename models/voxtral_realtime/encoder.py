@@ -56,11 +56,13 @@ class EncoderAttention(nn.Module):
         self.o_proj = nn.Linear(inner, c.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.num_heads, self.head_dim)
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n, d]
+        # x [n, width], or [clips, n, width] (training batches clips of one length)
+        lead, n = x.shape[:-2], x.shape[-2]
+        q = self.q_proj(x).view(*lead, n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, n, self.num_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, n, self.num_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)  # [.., H, n, d]
         out = torch.empty_like(q)
         block = max(self.window, 64)
         for s in range(0, n, block):
@@ -69,10 +71,14 @@ class EncoderAttention(nn.Module):
             qi = torch.arange(s, e, device=x.device)[:, None]
             kj = torch.arange(lo, e, device=x.device)[None, :]
             mask = (kj <= qi) & (qi - kj < self.window)
-            out[:, s:e] = F.scaled_dot_product_attention(
-                q[:, s:e], k[:, lo:e], v[:, lo:e], attn_mask=mask, scale=self.head_dim**-0.5
+            out[..., s:e, :] = F.scaled_dot_product_attention(
+                q[..., s:e, :],
+                k[..., lo:e, :],
+                v[..., lo:e, :],
+                attn_mask=mask,
+                scale=self.head_dim**-0.5,
             )
-        return self.o_proj(out.transpose(0, 1).reshape(n, -1))
+        return self.o_proj(out.transpose(-3, -2).reshape(*lead, n, -1))
 
 
 class EncoderMLP(nn.Module):
@@ -105,10 +111,11 @@ class Embedder(nn.Module):
         self.conv1 = CausalConv1d(c.num_mel_bins, c.hidden_size, kernel_size=3)
         self.conv2 = CausalConv1d(c.hidden_size, c.hidden_size, kernel_size=3, stride=2)
 
-    def forward(self, mel: torch.Tensor) -> torch.Tensor:  # [mels, F] -> [F / 2, width]
-        x = F.gelu(self.conv1(mel[None]))
-        x = F.gelu(self.conv2(x))
-        return x[0].T
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        # [mels, F] -> [F / 2, width], or [clips, mels, F] -> [clips, F / 2, width]
+        x = F.gelu(self.conv1(mel if mel.dim() == 3 else mel[None]))
+        x = F.gelu(self.conv2(x)).transpose(1, 2)
+        return x if mel.dim() == 3 else x[0]
 
 
 class AudioTower(nn.Module):
@@ -122,9 +129,11 @@ class AudioTower(nn.Module):
             "inv_freq", inverse_frequencies(c.head_dim, c.rope_theta), persistent=False
         )
 
-    def forward(self, mel: torch.Tensor) -> torch.Tensor:  # [mels, F] -> [F / 2, width]
+    def forward(
+        self, mel: torch.Tensor
+    ) -> torch.Tensor:  # [(clips,) mels, F] -> [(clips,) F / 2, width]
         x = self.embedder(mel)
-        positions = torch.arange(x.shape[0], device=x.device, dtype=torch.float32)
+        positions = torch.arange(x.shape[-2], device=x.device, dtype=torch.float32)
         freqs = positions[:, None] * self.inv_freq.to(x.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
