@@ -1,5 +1,7 @@
-"""The built-in model's commands: `epd train-demo` (train it), `epd scene` (draw a picture to
-ask it about) and `epd scene-eval` (its accuracy on held-out scenes through a running cluster)."""
+"""The built-in models' commands: `epd train-demo` (train the vision model), `epd scene` (draw a
+picture to ask it about), `epd scene-eval` (its accuracy on held-out scenes through a running
+cluster); `epd train-speech` (train the speech model) and `epd say` (a sentence spoken as it
+was trained on, to transcribe)."""
 
 from __future__ import annotations
 
@@ -87,6 +89,43 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     ev.set_defaults(func=cmd_scene_eval)
 
+    speech = sub.add_parser(
+        "train-speech",
+        help="train the built-in speech model (a tiny Voxtral Realtime on spoken sentences)",
+    )
+    speech.add_argument("out", help="output directory (created; must be empty)")
+    speech.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE",
+        help="any training setting (models/demo/train_speech.py SpeechSettings), e.g. "
+        "steps=800 or shape.audio_layers=2; repeatable",
+    )  # fmt: skip
+    speech.add_argument(
+        "--eval", type=int, default=HELD_OUT, metavar="N",
+        help="then measure word accuracy on the first N held-out sentences (0: skip)",
+    )  # fmt: skip
+    speech.set_defaults(func=cmd_train_speech)
+
+    say = sub.add_parser(
+        "say", help="speak a sentence of the speech model's world into a WAV file (espeak-ng)"
+    )
+    say.add_argument("out", help="WAV file to write")
+    say.add_argument(
+        "--text", help="the words (default: the sentence of --seed); only the world's words: "
+        "a, an, and, the, is, on, at, in, colours, shapes, places",
+    )  # fmt: skip
+    say.add_argument("--seed", type=int, default=0, help="voice, speed, pauses (default 0)")
+    say.set_defaults(func=cmd_say)
+
+    sev = sub.add_parser(
+        "speech-eval",
+        help="word accuracy of a running cluster (the built-in speech model) on held-out sentences",
+    )
+    sev.add_argument("--target", default="127.0.0.1:50051", help="proxy gRPC address")
+    sev.add_argument("--count", type=int, default=HELD_OUT, help="sentences (default 500)")
+    sev.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    sev.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    sev.set_defaults(func=cmd_speech_eval)
+
 
 def cmd_train_demo(args: argparse.Namespace) -> int:
     import torch
@@ -152,6 +191,56 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_speech(args: argparse.Namespace) -> int:
+    from models.demo import speech, train_speech
+    from models.demo.train import with_overrides
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        print(f"epd train-speech: {out} is not empty", file=sys.stderr)
+        return 2
+    try:
+        settings = with_overrides(train_speech.SpeechSettings(), args.set)
+    except ValueError as e:
+        print(f"epd train-speech: --set {e}", file=sys.stderr)
+        return 2
+    try:
+        speech.espeak_path()
+    except speech.EspeakError as e:
+        print(f"epd train-speech: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"training {settings.steps} steps of {settings.batch_size} sentences on "
+        f"{settings.threads} thread(s)",
+        flush=True,
+    )
+    start = time.monotonic()
+    train_speech.train(out, settings)
+    minutes = (time.monotonic() - start) / 60
+    print(f"wrote {out} in {minutes:.1f} min", flush=True)
+    if args.eval:
+        right, words, _ = train_speech.evaluate(out, range(args.eval))
+        summary = {"word_accuracy": round(right / words, 4), "words": words, "right": right}
+        print(json.dumps(summary | {"train_minutes": round(minutes, 1)}))
+    return 0
+
+
+def cmd_say(args: argparse.Namespace) -> int:
+    from models.demo import speech
+
+    try:
+        utt = speech.utterance(args.seed, speech.WordBank(), text=args.text)
+    except (speech.EspeakError, ValueError) as e:
+        print(f"epd say: {e}", file=sys.stderr)
+        return 2
+    Path(args.out).write_bytes(utt.wav())
+    seconds = utt.samples.shape[0] / speech.RATE
+    print(
+        f"{utt.text} ({utt.voice}, {utt.speed} words a minute, pitch {utt.pitch}, {seconds:.1f} s)"
+    )
+    return 0
+
+
 def cmd_scene(args: argparse.Namespace) -> int:
     from models.demo import scenes
 
@@ -207,4 +296,54 @@ def cmd_scene_eval(args: argparse.Namespace) -> int:
         print(f"seed {seed}: {question!r}: want {want!r}, got {got!r}", file=sys.stderr)
     seconds = time.monotonic() - start
     print(json.dumps(accuracy.summary() | {"seconds": round(seconds, 1)}))
+    return 0
+
+
+def cmd_speech_eval(args: argparse.Namespace) -> int:
+    import grpc
+
+    from common.server import GRPC_OPTIONS
+    from models.demo import speech
+    from proto import epd_pb2, epd_pb2_grpc
+
+    try:
+        bank = speech.WordBank()
+        utts = [speech.utterance(seed, bank) for seed in range(args.count)]
+    except speech.EspeakError as e:
+        print(f"epd speech-eval: {e}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+
+    def transcribe(stub, utt: speech.Utterance) -> str:
+        request = epd_pb2.GenerateRequest(
+            media=[epd_pb2.MediaItem(audio=epd_pb2.AudioClip(data=utt.wav()))],
+            sampling=epd_pb2.SamplingParams(temperature=0.0),
+        )
+        return "".join(r.text for r in stub.Generate(request, timeout=args.timeout)).strip()
+
+    with grpc.insecure_channel(args.target, options=GRPC_OPTIONS) as channel:
+        stub = epd_pb2_grpc.InferenceStub(channel)
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            try:
+                texts = list(pool.map(lambda u: transcribe(stub, u), utts))
+            except grpc.RpcError as e:
+                print(f"epd speech-eval: {e.code().name}: {e.details()}", file=sys.stderr)
+                return 1
+    right = words = 0
+    mistakes = []
+    for seed, (utt, text) in enumerate(zip(utts, texts, strict=True)):
+        r, n = speech.word_accuracy(utt.text, text)
+        right, words = right + r, words + n
+        if text != utt.text:
+            mistakes.append(f"seed {seed}: want {utt.text!r}, got {text!r}")
+    for line in mistakes[:10]:
+        print(line, file=sys.stderr)
+    summary = {
+        "word_accuracy": round(right / max(1, words), 4),
+        "words": words,
+        "sentences_exact": len(utts) - len(mistakes),
+        "sentences": len(utts),
+        "seconds": round(time.monotonic() - start, 1),
+    }
+    print(json.dumps(summary))
     return 0
