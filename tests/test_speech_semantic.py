@@ -140,7 +140,7 @@ def test_speech_eval_and_say_from_the_command_line(cluster, reference, tmp_path,
     assert summary["sentences"] == 6 and summary["words"] == sum(len(w.split()) for w, _ in want)
     exact = sum(w == got for w, got in want)  # the reference path's, give or take a near-tie
     assert abs(summary["sentences_exact"] - exact) <= 1
-    assert summary["word_accuracy"] >= WORD_ACCURACY_FLOOR
+    assert summary["word_accuracy"] >= 0.9  # the target (one word wrong in 6 here)
 
     wav = tmp_path / "said.wav"
     assert epd_main(["say", str(wav), "--text", "The yellow star is at the top"]) == 0

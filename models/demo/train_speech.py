@@ -17,6 +17,7 @@ Training is teacher-forced over whole clips, padded as a transcription request p
 from __future__ import annotations
 
 import dataclasses
+import random
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -93,6 +94,10 @@ class SpeechSettings:
     min_lr: float = 0.05
     weight_decay: float = 0.01
     emit_after: int = 2  # positions from a word's last audio position to its token
+    # How often a word's token comes one position later: then the token written at the
+    # position before, not the audio alone, must tell whether the word is written yet (with
+    # none late, the model wrote short words twice: "a a", "the the").
+    late: float = 0.3
     pad_weight: float = 0.5  # the loss's weight on [STREAMING_PAD] targets
     threads: int = 2
     shape: VoxtralShape = SHAPE
@@ -175,17 +180,25 @@ def build(checkpoint_files: Path, seed: int) -> Model:
 
 
 def token_ids(
-    model: Model, utt: speech.Utterance, positions: int, emit_after: int, words: dict[str, int]
+    model: Model,
+    utt: speech.Utterance,
+    positions: int,
+    emit_after: int,
+    words: dict[str, int],
+    late: float = 0.0,
+    rng: random.Random | None = None,
 ) -> list[int]:
     """The transcription's input ids over `positions`: BOS, then [STREAMING_PAD] everywhere
-    but at each word's position."""
+    but at each word's position; with probability `late` (drawn from `rng`) a word's token
+    comes one position later."""
     pad = model.tokenizer.required_id("[STREAMING_PAD]")
     ids = [model.tokenizer.bos_token_id] + [pad] * (positions - 1)
     per_tok = model.streaming.samples_per_token
     left = model.streaming.n_left_pad_tokens * per_tok
     at = model.prompt_len - 1
     for word, (_, end) in zip(utt.text.split(), utt.spans, strict=True):
-        at = max((left + end - 1) // per_tok + emit_after, at + 1)
+        delay = emit_after + (1 if late and rng is not None and rng.random() < late else 0)
+        at = max((left + end - 1) // per_tok + delay, at + 1)
         if at >= positions:
             raise ValueError(f"no room for {word!r} in {positions} positions: {utt.text!r}")
         ids[at] = words[word]
@@ -193,7 +206,12 @@ def token_ids(
 
 
 def make_batch(
-    model: Model, utts: Sequence[speech.Utterance], emit_after: int, words: dict[str, int]
+    model: Model,
+    utts: Sequence[speech.Utterance],
+    emit_after: int,
+    words: dict[str, int],
+    late: float = 0.0,
+    rng: random.Random | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-mel [clips, mels, frames], input ids [clips, positions]): every clip padded as a
     transcription request pads it, then with silence to the longest."""
@@ -201,7 +219,7 @@ def make_batch(
     longest = max(p.shape[0] for p in padded)
     samples = np.stack([np.pad(p, (0, longest - p.shape[0])) for p in padded])
     positions = longest // model.streaming.samples_per_token
-    ids = [token_ids(model, u, positions, emit_after, words) for u in utts]
+    ids = [token_ids(model, u, positions, emit_after, words, late, rng) for u in utts]
     return model.log_mel(torch.from_numpy(samples)), torch.tensor(ids)
 
 
@@ -275,7 +293,8 @@ def train(
             speech.TRAIN_SEED_BASE + (settings.seed * settings.steps + step) * settings.batch_size
         )
         utts = [speech.utterance(base + i, bank) for i in range(settings.batch_size)]
-        return make_batch(model, utts, settings.emit_after, words)
+        rng = random.Random(base)
+        return make_batch(model, utts, settings.emit_after, words, settings.late, rng)
 
     params = model.parameters()
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
