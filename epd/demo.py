@@ -101,7 +101,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     speech.add_argument(
         "--eval", type=int, default=HELD_OUT, metavar="N",
-        help="then measure word accuracy on the first N held-out sentences (0: skip)",
+        help="then measure word accuracy on the first N held-out sentences, and on their "
+        "word lists (the words in any order) (0: skip)",
     )  # fmt: skip
     speech.set_defaults(func=cmd_train_speech)
 
@@ -122,6 +123,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     sev.add_argument("--target", default="127.0.0.1:50051", help="proxy gRPC address")
     sev.add_argument("--count", type=int, default=HELD_OUT, help="sentences (default 500)")
+    sev.add_argument(
+        "--word-lists", action="store_true",
+        help="the sentences' word lists instead (the words in any order: no grammar to go by)",
+    )  # fmt: skip
     sev.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     sev.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     sev.set_defaults(func=cmd_speech_eval)
@@ -219,8 +224,14 @@ def cmd_train_speech(args: argparse.Namespace) -> int:
     minutes = (time.monotonic() - start) / 60
     print(f"wrote {out} in {minutes:.1f} min", flush=True)
     if args.eval:
-        right, words, _ = train_speech.evaluate(out, range(args.eval))
-        summary = {"word_accuracy": round(right / words, 4), "words": words, "right": right}
+        summary: dict[str, Any] = {}
+        for key, lists in (("sentences", False), ("word_lists", True)):
+            right, words, _ = train_speech.evaluate(out, range(args.eval), words=lists)
+            summary[key] = {
+                "word_accuracy": round(right / words, 4),
+                "right": right,
+                "words": words,
+            }
         print(json.dumps(summary | {"train_minutes": round(minutes, 1)}))
     return 0
 
@@ -308,7 +319,7 @@ def cmd_speech_eval(args: argparse.Namespace) -> int:
 
     try:
         bank = speech.WordBank()
-        utts = [speech.utterance(seed, bank) for seed in range(args.count)]
+        utts = [speech.utterance(s, bank, words=args.word_lists) for s in range(args.count)]
     except speech.EspeakError as e:
         print(f"epd speech-eval: {e}", file=sys.stderr)
         return 2

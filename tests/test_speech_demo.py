@@ -22,7 +22,7 @@ from models.testing.make_voxtral import tensor_shapes
 
 NO_ESPEAK = "needs espeak-ng: apt-get install espeak-ng (.ci/run installs it)"
 # The shipped model's word accuracy on the first held-out sentences must stay at least this
-# (it measured 0.999 on sentences 0-499, 3288 of 3290 words: README); the issue asks >= 0.9.
+# (it measured 0.992 on sentences 0-499, 3265 of 3290 words: README); the issue asks >= 0.9.
 WORD_ACCURACY_FLOOR = 0.97
 
 
@@ -64,6 +64,10 @@ def test_an_utterance_is_its_seeds_and_its_words_lie_where_it_says(bank):
     # Held-out seeds speak anywhere in the range, training seeds on the grid.
     train = speech.utterance(speech.TRAIN_SEED_BASE + 3, bank)
     assert train.speed in speech.SPEEDS and train.pitch in speech.PITCHES
+    # A word list: the world's words in any order; the seed's sentence is the same either way.
+    listed = speech.utterance(7, bank, words=True)
+    assert set(listed.text.split()) <= set(speech.WORDS) and listed.text != a.text
+    assert 3 <= len(listed.spans) <= 7
     said = speech.utterance(0, bank, text="A red circle, and a blue square")
     assert said.text == "a red circle and a blue square"
     with pytest.raises(ValueError, match="words outside the spoken world"):
@@ -123,3 +127,6 @@ def test_the_shipped_model_transcribes_held_out_sentences(bank):
     torch.set_num_threads(2)
     right, total, pairs = train_speech.evaluate(SPEECH_DIR, range(40), bank=bank)
     assert right / total >= WORD_ACCURACY_FLOOR, [p for p in pairs if p[0] != p[1]]
+    # Their word lists (no grammar to go by: the sounds alone; 97.8% on all 500).
+    right, total, pairs = train_speech.evaluate(SPEECH_DIR, range(20), bank=bank, words=True)
+    assert right / total >= 0.93, [p for p in pairs if p[0] != p[1]]

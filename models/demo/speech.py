@@ -151,16 +151,27 @@ def sentence(rng: random.Random) -> str:
     return f"the {shape.colour} {shape.kind} is {scenes.WHERE[shape.place]}"
 
 
-def utterance(seed: int, bank: WordBank, text: str | None = None) -> Utterance:
-    """The sentence of `seed` (or `text`) spoken in one voice: pauses of 20-200 ms between
-    the words, 50-500 ms of silence before and 50-300 ms after, a random loudness and a
-    little noise. Training seeds speak on the bank's grid; others anywhere in its range."""
+def word_list(rng: random.Random) -> str:
+    """3-7 of the world's words in any order ("top orange and cross"): no grammar to guess
+    from, only the sounds."""
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 7)))
+
+
+def utterance(seed: int, bank: WordBank, text: str | None = None, words: bool = False) -> Utterance:
+    """The sentence of `seed` (its `word_list` when `words`; or `text`) spoken in one voice:
+    pauses of 20-200 ms between the words, 50-500 ms of silence before and 50-300 ms after, a
+    random loudness and a little noise. Training seeds speak on the bank's grid; others
+    anywhere in its range."""
     rng = random.Random(seed)
     drawn = sentence(rng)
+    if words:
+        drawn = word_list(rng)
     if text is not None:
         text = " ".join(text.lower().replace(",", " ").split())
         unknown = sorted(set(text.split()) - set(WORDS))
-        if unknown or not text:
+        if not text:
+            raise ValueError("no words to say")
+        if unknown:
             raise ValueError(f"words outside the spoken world: {unknown}; it has {list(WORDS)}")
     else:
         text = drawn
