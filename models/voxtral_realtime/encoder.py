@@ -129,9 +129,8 @@ class AudioTower(nn.Module):
             "inv_freq", inverse_frequencies(c.head_dim, c.rope_theta), persistent=False
         )
 
-    def forward(
-        self, mel: torch.Tensor
-    ) -> torch.Tensor:  # [(clips,) mels, F] -> [(clips,) F / 2, width]
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        # [mels, F] -> [F / 2, width], or [clips, mels, F] -> [clips, F / 2, width]
         x = self.embedder(mel)
         positions = torch.arange(x.shape[-2], device=x.device, dtype=torch.float32)
         freqs = positions[:, None] * self.inv_freq.to(x.device)[None, :]
