@@ -209,18 +209,17 @@ def cmd_train_speech(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"epd train-speech: --set {e}", file=sys.stderr)
         return 2
-    try:
-        speech.espeak_path()
-    except speech.EspeakError as e:
-        print(f"epd train-speech: {e}", file=sys.stderr)
-        return 2
     print(
         f"training {settings.steps} steps of {settings.batch_size} sentences on "
         f"{settings.threads} thread(s)",
         flush=True,
     )
     start = time.monotonic()
-    train_speech.train(out, settings)
+    try:
+        train_speech.train(out, settings)
+    except speech.EspeakError as e:  # raised before anything is written
+        print(f"epd train-speech: {e}", file=sys.stderr)
+        return 2
     minutes = (time.monotonic() - start) / 60
     print(f"wrote {out} in {minutes:.1f} min", flush=True)
     if args.eval:

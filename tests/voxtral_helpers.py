@@ -1,6 +1,6 @@
 """Helpers for the Voxtral Realtime tests: checkpoints written by transformers itself, its
-processor (feature extractor + mistral-common tokenizer) as the oracle, clips as bytes, (the
-reference generation loop over our modules is models.testing.reference.transcribe)."""
+processor (feature extractor + mistral-common tokenizer) as the oracle, and clips as bytes.
+The reference generation loop over our modules is models.testing.reference.transcribe."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import io
 import random
 import shutil
 import subprocess
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -106,20 +106,11 @@ class WordBank:
             self.clips[key] = synthesize(*key)
         return self.clips[key]
 
-    def fill(
-        self,
-        keys: Iterable[Key],
-        threads: int = 2,
-        progress: Callable[[int, int], None] | None = None,
-    ) -> None:
+    def fill(self, keys: Iterable[Key], threads: int = 2) -> None:
         """Synthesise `keys` not yet held, `threads` espeak-ng processes at a time."""
         todo = [k for k in dict.fromkeys(keys) if k not in self.clips]
         with ThreadPoolExecutor(threads) as pool:
-            clips = pool.map(lambda k: synthesize(*k), todo)
-            for i, (key, clip) in enumerate(zip(todo, clips, strict=True)):
-                self.clips[key] = clip
-                if progress is not None:
-                    progress(i + 1, len(todo))
+            self.clips.update(zip(todo, pool.map(lambda k: synthesize(*k), todo), strict=True))
 
     @staticmethod
     def grid() -> list[Key]:

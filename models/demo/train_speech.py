@@ -38,6 +38,7 @@ from models.testing.make_voxtral import (
     VOXTRAL_SHAPES,
     VoxtralShape,
     _write_json,
+    generation_config,
     preprocessor_config,
     tekken,
     voxtral_config,
@@ -51,7 +52,7 @@ from models.voxtral_realtime.config import (
     load_streaming_config,
 )
 from models.voxtral_realtime.encoder import AudioEncoder
-from models.voxtral_realtime.language_model import VoxtralLanguageModel, time_embedding
+from models.voxtral_realtime.language_model import VoxtralLanguageModel
 from models.voxtral_realtime.tokenizer import TekkenTokenizer
 
 
@@ -113,9 +114,7 @@ def write_checkpoint_files(out: Path, shape: VoxtralShape) -> None:
     config = voxtral_config(shape)
     config["dtype"] = "bfloat16"
     _write_json(out / "config.json", config)
-    _write_json(
-        out / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 11}
-    )
+    _write_json(out / "generation_config.json", generation_config())
     _write_json(out / "preprocessor_config.json", preprocessor_config(shape.num_mel_bins))
     _write_json(out / "tekken.json", tekken(shape, vocabulary()))
 
@@ -145,6 +144,7 @@ class Model:
     log_mel: LogMel
     tokenizer: TekkenTokenizer
     streaming: StreamingConfig
+    pad_id: int  # [STREAMING_PAD]
 
     @property
     def prompt_len(self) -> int:
@@ -174,12 +174,14 @@ def build(checkpoint_files: Path, seed: int) -> Model:
     _init(encoder)
     _init(lm)
     lm.lm_head.weight = lm.embed_tokens.weight
+    tokenizer = TekkenTokenizer.from_dir(checkpoint_files)
     return Model(
         encoder,
         lm,
         LogMel(features),
-        TekkenTokenizer.from_dir(checkpoint_files),
+        tokenizer,
         load_streaming_config(checkpoint_files, features),
+        tokenizer.required_id("[STREAMING_PAD]"),
     )
 
 
@@ -195,8 +197,7 @@ def token_ids(
     """The transcription's input ids over `positions`: BOS, then [STREAMING_PAD] everywhere
     but at each word's position; with probability `late` (drawn from `rng`) a word's token
     comes one position later."""
-    pad = model.tokenizer.required_id("[STREAMING_PAD]")
-    ids = [model.tokenizer.bos_token_id] + [pad] * (positions - 1)
+    ids = [model.tokenizer.bos_token_id] + [model.pad_id] * (positions - 1)
     per_tok = model.streaming.samples_per_token
     left = model.streaming.n_left_pad_tokens * per_tok
     at = model.prompt_len - 1
@@ -233,23 +234,18 @@ def forward_loss(
     """Teacher-forced cross-entropy of every token after the prompt (pads weighted
     `pad_weight`), and (words right, words) by greedy argmax at the word positions."""
     clips, positions = ids.shape
-    frames = model.encoder.tower(mel)  # [clips, 4 * positions, width]
-    d = model.encoder.config.downsample_factor
-    audio = model.encoder.projector(frames[:, : positions * d].reshape(clips, positions, -1))
+    audio = model.encoder.embeddings(mel)  # [clips, positions, hidden]
     lm = model.lm
-    t_cond = time_embedding(model.streaming.num_delay_tokens, lm.config.hidden_size, torch.float32)
-    for layer in lm.layers:  # the delay's scale, with gradients (set_delay fixes it at load)
-        layer.ada_scale = 1 + layer.ada_rms_norm(t_cond)
+    lm.set_delay(model.streaming.num_delay_tokens)  # its scales learn too
     x = (lm.embed_tokens(ids) + audio).flatten(0, 1)
     hidden = lm(None, torch.arange(positions).repeat(clips), x, (clips, positions))
     start = model.prompt_len - 1
     logits = lm.compute_logits(hidden.view(clips, positions, -1)[:, start:-1]).float()
     targets = ids[:, start + 1 :]
     losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-    pad = model.tokenizer.required_id("[STREAMING_PAD]")
-    weights = torch.where(targets.flatten() == pad, pad_weight, 1.0)
+    weights = torch.where(targets.flatten() == model.pad_id, pad_weight, 1.0)
     loss = (losses * weights).sum() / weights.sum()
-    is_word = targets != pad
+    is_word = targets != model.pad_id
     right = int(((logits.argmax(-1) == targets) & is_word).sum())
     return loss, right, int(is_word.sum())
 

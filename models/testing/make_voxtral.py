@@ -139,9 +139,7 @@ def make_voxtral_checkpoint(
     if any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty")
     _write_json(out / "config.json", voxtral_config(s))
-    _write_json(
-        out / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 11}
-    )
+    _write_json(out / "generation_config.json", generation_config())
     from safetensors.torch import save_file
 
     save_file(_random_weights(s, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -194,6 +192,10 @@ def voxtral_config(s: VoxtralShape) -> dict[str, Any]:
         "projector_hidden_act": "gelu",
         "tie_word_embeddings": True,
     }
+
+
+def generation_config() -> dict[str, Any]:
+    return {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 11}
 
 
 def preprocessor_config(num_mel_bins: int) -> dict[str, Any]:

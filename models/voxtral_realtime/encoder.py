@@ -193,7 +193,13 @@ class AudioEncoder(nn.Module):
 
     @torch.inference_mode()
     def forward(self, mel: torch.Tensor) -> torch.Tensor:  # [mels, F] -> [F / per_tok, hidden]
+        return self.embeddings(mel)
+
+    def embeddings(self, mel: torch.Tensor) -> torch.Tensor:
+        """`forward` with gradients, for a clip or a batch of clips of one length:
+        [(clips,) mels, F] -> [(clips,) F / per_tok, hidden]."""
         x = self.frames(mel)
         d = self.config.downsample_factor
-        usable = x.shape[0] - x.shape[0] % d
-        return self.projector(x[:usable].reshape(usable // d, -1))
+        n = x.shape[-2]
+        usable = n - n % d
+        return self.projector(x[..., :usable, :].reshape(*x.shape[:-2], usable // d, -1))

@@ -124,16 +124,17 @@ class VoxtralLanguageModel(nn.Module):
             model = cls(config, attn_backend)
         model.load_weights(load_tensors(checkpoint_dir, lm_tensor, "lm", dtype, device))
         model.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta).to(device)
-        model.set_delay(num_delay_tokens)
+        with torch.no_grad():
+            model.set_delay(num_delay_tokens)
         return model.to(device).eval()
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the checkpoint's LM tensors (local names) as this model's parameters."""
         assign_lm_weights(self, tensors, self.config.tie_word_embeddings)
 
-    @torch.no_grad()
     def set_delay(self, num_delay_tokens: int) -> None:
-        """The per-layer MLP input scale (1 + ada(t)) for a streaming delay in tokens."""
+        """The per-layer MLP input scale (1 + ada(t)) for a streaming delay in tokens (with
+        gradients where they are enabled: training sets it every step)."""
         w = self.embed_tokens.weight
         t_cond = time_embedding(num_delay_tokens, self.config.hidden_size, w.dtype).to(w.device)
         for layer in self.layers:
