@@ -1220,13 +1220,11 @@ def pretrain_tower(
     rank, workers = _rank_and_workers()
 
     def batch_of(step: int) -> list[tuple[ProcessedMedia, torch.Tensor]]:
-        out = []
-        for i in _share(range(settings.tower_batch), rank, workers):
-            rng = random.Random(TOWER_SEED_BASE + step * settings.tower_batch + i)
-            picture, placed = scenes.draw(scenes.random_scene(rng), rng.getrandbits(32))
-            media = encoder.processor.process_picture(picture)
-            out.append((media, token_labels(placed, media.grid.grid_thw, merge)))
-        return out
+        first = TOWER_SEED_BASE + step * settings.tower_batch
+        return [
+            tower_picture(encoder, first + i, merge)
+            for i in _share(range(settings.tower_batch), rank, workers)
+        ]
 
     tower.train()
     total = steps + settings.steps
@@ -1242,6 +1240,15 @@ def pretrain_tower(
         loss_value, accuracy = _update(loss, optimizer, schedule, params, right, 1)
         if progress:
             progress(step + 1, total, loss_value, accuracy)
+
+
+def tower_picture(encoder: Encoder, seed: int, merge: int) -> tuple[ProcessedMedia, torch.Tensor]:
+    """A picture of a random scene (drawn from random.Random(seed)) as the tower takes it, and
+    its tokens' labels (token_labels)."""
+    rng = random.Random(seed)
+    picture, placed = scenes.draw(scenes.random_scene(rng), rng.getrandbits(32))
+    media = encoder.processor.process_picture(picture)
+    return media, token_labels(placed, media.grid.grid_thw, merge)
 
 
 def _prefetched(batch_of: Callable[[int], Any], steps: int) -> Iterator[Any]:
