@@ -9,6 +9,10 @@ epd make-model OUT          write a random checkpoint (Hugging Face layout) for 
 epd train-demo OUT          train the built-in model (a tiny Qwen2.5-VL that sees shapes)
 epd scene OUT.png           draw a picture to ask the built-in model about
 epd scene-eval              the built-in model's accuracy on held-out scenes, through a cluster
+epd tower-probe             how well the built-in model's vision tower tells the shapes' kinds
+epd train-speech OUT        train the built-in speech model (a tiny Voxtral Realtime)
+epd say OUT.wav             speak a sentence of the speech model's world (espeak-ng)
+epd speech-eval             the speech model's word accuracy on held-out sentences (a cluster)
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The built-in models' commands: `epd train-demo` (train the vision model), `epd scene` (draw a
 picture to ask it about), `epd scene-eval` (its accuracy on held-out scenes through a running
-cluster); `epd train-speech` (train the speech model) and `epd say` (a sentence spoken as it
-was trained on, to transcribe)."""
+cluster), `epd tower-probe` (how well a vision tower tells the shapes' kinds); `epd
+train-speech` (train the speech model) and `epd say` (a sentence spoken as it was trained on,
+to transcribe)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +66,25 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="held-out scenes for --eval-every (default 100)",
     )  # fmt: skip
     train.set_defaults(func=cmd_train_demo)
+
+    probe = sub.add_parser(
+        "tower-probe",
+        help="how well a vision tower tells the kinds of shapes (a linear probe on its output)",
+    )
+    probe.add_argument(
+        "--checkpoint", type=Path, help="the checkpoint whose tower to probe (default: the "
+        "built-in model's)",
+    )  # fmt: skip
+    probe.add_argument(
+        "--alone", action="store_true",
+        help="probe a tower trained here by the recipe's tower phase alone instead (one "
+        "process; --set tower_steps=1200 etc. change it)",
+    )  # fmt: skip
+    probe.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE",
+        help="with --alone: a training setting (TrainSettings), e.g. tower_steps=1200; repeatable",
+    )  # fmt: skip
+    probe.set_defaults(func=cmd_tower_probe)
 
     scene = sub.add_parser("scene", help="draw a picture of the scene world (a PNG)")
     scene.add_argument("out", help="PNG file to write")
@@ -278,6 +299,35 @@ def ask(stub: Any, sample: Any, timeout: float) -> str:
     parts.append(epd_pb2.ContentPart(text=sample.question))
     request.chat.messages.append(epd_pb2.ChatMessage(role="user", content=parts))
     return "".join(r.text for r in stub.Generate(request, timeout=timeout))
+
+
+def cmd_tower_probe(args: argparse.Namespace) -> int:
+    """Print the probe's kind accuracy (JSON): by token, by shape, and what was taken for what."""
+    import torch
+
+    from models.demo import BUILTIN_DIR, probe, train
+
+    if args.set and not args.alone:
+        print("epd tower-probe: --set goes with --alone", file=sys.stderr)
+        return 2
+    try:
+        settings = train.with_overrides(train.TrainSettings(), args.set)
+    except ValueError as e:
+        print(f"epd tower-probe: --set {e}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)  # as each training worker
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="epd-tower-") as tmp:
+        if args.alone:
+            tower = probe.tower_alone(Path(tmp), settings)
+            encoder = train.Encoder(Path(tmp))
+        else:
+            checkpoint = args.checkpoint or BUILTIN_DIR
+            tower, encoder = probe.checkpoint_tower(checkpoint), train.Encoder(checkpoint)
+        result = probe.tower_kinds(tower, encoder).summary()
+    result["seconds"] = round(time.monotonic() - started, 1)
+    print(json.dumps(result))
+    return 0
 
 
 def cmd_scene_eval(args: argparse.Namespace) -> int:
