@@ -305,6 +305,7 @@ def cmd_tower_probe(args: argparse.Namespace) -> int:
     """Print the probe's kind accuracy (JSON): by token, by shape, and what was taken for what."""
     import torch
 
+    from models.checkpoint import CheckpointError
     from models.demo import BUILTIN_DIR, probe, train
 
     if args.set and not args.alone:
@@ -323,7 +324,11 @@ def cmd_tower_probe(args: argparse.Namespace) -> int:
             encoder = train.Encoder(Path(tmp))
         else:
             checkpoint = args.checkpoint or BUILTIN_DIR
-            tower, encoder = probe.checkpoint_tower(checkpoint), train.Encoder(checkpoint)
+            try:
+                tower, encoder = probe.checkpoint_tower(checkpoint), train.Encoder(checkpoint)
+            except CheckpointError as e:
+                print(f"epd tower-probe: {e}", file=sys.stderr)
+                return 2
         result = probe.tower_kinds(tower, encoder).summary()
     result["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(result))
