@@ -6,8 +6,8 @@ in minutes where a whole training takes fifteen.
     accuracy.tokens, accuracy.shapes         # share of shape tokens / of shapes (majority) right
 
 A logistic regression on the tower's output rows (what the LM receives) is fitted on the
-shape tokens of FIT pictures and scored on TEST pictures: neither held out, trained on, nor
-drawn by the tower's own phase (train.tower_picture)."""
+shape tokens of the FIT pictures and scored on the TEST ones, drawn as the tower's own phase
+draws its pictures (train.tower_picture) at seeds no training uses."""
 
 from __future__ import annotations
 
