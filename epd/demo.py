@@ -320,8 +320,7 @@ def cmd_tower_probe(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="epd-tower-") as tmp:
         if args.alone:
-            tower = probe.tower_alone(Path(tmp), settings)
-            encoder = train.Encoder(Path(tmp))
+            tower, encoder = probe.tower_alone(Path(tmp), settings)
         else:
             checkpoint = args.checkpoint or BUILTIN_DIR
             try:

@@ -629,8 +629,7 @@ def test_tower_probe_tells_the_shipped_towers_kinds_from_an_untrained_ones(tmp_p
     path = builtin_model()
     shipped = probe.tower_kinds(probe.checkpoint_tower(path), Encoder(path), fit, test)
     settings = replace(TrainSettings(), tower_steps=3, tower_batch=2)
-    fresh_tower = probe.tower_alone(tmp_path, settings)
-    fresh = probe.tower_kinds(fresh_tower, Encoder(tmp_path), fit, test)
+    fresh = probe.tower_kinds(*probe.tower_alone(tmp_path, settings), fit, test)
     assert shipped.count == fresh.count > 150
     assert shipped.shapes >= 0.8, shipped.summary()
     assert fresh.shapes <= shipped.shapes - 0.3, (fresh.summary(), shipped.summary())

@@ -102,20 +102,18 @@ def checkpoint_tower(checkpoint: Path) -> VisionTower:
     return VisionTower.from_checkpoint(checkpoint, arch.vision, torch.float32, torch.device("cpu"))
 
 
-def tower_alone(out: Path, settings: TrainSettings) -> VisionTower:
+def tower_alone(out: Path, settings: TrainSettings) -> tuple[VisionTower, Encoder]:
     """A tower trained by the recipe's tower phase alone (settings.tower_steps of
     settings.tower_batch pictures; one process, in the training's denormal mode), its config
-    written into `out`."""
+    written into `out`; and the Encoder of `out`."""
     settings = replace(settings, steps=0)  # the progress bar's total: this phase alone
     train.write_config(out, settings.shape, settings.rope_theta)
     arch = load_arch_config(out)
     torch.manual_seed(settings.seed)
     tower = VisionTower(arch.vision)
-    head = torch.nn.Linear(arch.text.hidden_size, len(scenes.COLOURS) + len(scenes.KINDS) + 2)
+    head = train.tower_head(arch.text.hidden_size)
     train._init(tower)
-    torch.set_flush_denormal(settings.flush_denormals)
-    try:
-        train.pretrain_tower(tower, head, Encoder(out), settings, train.progress_bar())
-    finally:
-        torch.set_flush_denormal(False)
-    return tower.eval()
+    encoder = Encoder(out)
+    with train.flushed_denormals(settings.flush_denormals):
+        train.pretrain_tower(tower, head, encoder, settings, train.progress_bar())
+    return tower.eval(), encoder

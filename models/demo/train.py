@@ -23,6 +23,7 @@ chosen on validation scenes, scenes.sample(500 .. 1499), neither held out nor tr
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -724,6 +725,16 @@ def token_labels(
     return labels
 
 
+# The label classes' counts, background (0) included: colour, kind, place.
+LABELS = (len(scenes.COLOURS) + 1, len(scenes.KINDS) + 1, len(scenes.PLACES) + 1)
+
+
+def tower_head(hidden_size: int) -> torch.nn.Linear:
+    """The tower's auxiliary head (training only): colour and kind logits, background
+    included, per vision token (tower_aux_loss)."""
+    return torch.nn.Linear(hidden_size, LABELS[0] + LABELS[1])
+
+
 def tower_aux_loss(
     aux_head: torch.nn.Module,
     embeds: torch.Tensor,
@@ -733,7 +744,7 @@ def tower_aux_loss(
     """The colour and kind cross-entropy of the tower's tokens ([tokens, width], labels
     [tokens, 3]), the background class weighted by `background_weight` (most tokens are
     background); and the share of the tokens on a shape whose kind is right."""
-    colour, kind = aux_head(embeds).split([len(scenes.COLOURS) + 1, len(scenes.KINDS) + 1], -1)
+    colour, kind = aux_head(embeds).split(LABELS[:2], -1)
     weights: list[torch.Tensor | None] = [None, None]
     if background_weight != 1.0:
         weights = [torch.ones(n + 1) for n in (len(scenes.COLOURS), len(scenes.KINDS))]
@@ -745,9 +756,6 @@ def tower_aux_loss(
     on = labels[:, 1] > 0
     right = (kind[on, 1:].argmax(-1) + 1 == labels[on, 1]).float().mean()
     return loss, right
-
-
-LABELS = (len(scenes.COLOURS) + 1, len(scenes.KINDS) + 1, len(scenes.PLACES) + 1)
 
 
 def label_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -1015,13 +1023,21 @@ def _train(
 ) -> None:
     """One worker's training (the whole of it when there is one worker), into `out`, where
     the config is already written."""
-    # A per-thread mode (the CPU's control register): the recipe's workers compute on this
-    # thread alone (one torch thread each); intra-op threads made earlier keep theirs.
-    torch.set_flush_denormal(settings.flush_denormals)
-    try:
+    with flushed_denormals(settings.flush_denormals):
         _train_here(out, settings, progress, save_every, on_save)
+
+
+@contextlib.contextmanager
+def flushed_denormals(on: bool) -> Iterator[None]:
+    """Compute with float32 denormals flushed to zero (TrainSettings.flush_denormals) inside,
+    with the default (what evaluation and serving compute with) after. A per-thread mode (the
+    CPU's control register): the recipe's workers compute on this thread alone (one torch
+    thread each); intra-op threads made earlier keep theirs."""
+    torch.set_flush_denormal(on)
+    try:
+        yield
     finally:
-        torch.set_flush_denormal(False)  # what evaluation and serving compute with
+        torch.set_flush_denormal(False)
 
 
 def _train_here(
@@ -1038,10 +1054,8 @@ def _train_here(
     torch.manual_seed(settings.seed)
     tower = VisionTower(arch.vision)
     lm = Qwen2LanguageModel(arch.text, PackedCausalAttention())
-    aux_head = torch.nn.Linear(arch.text.hidden_size, len(scenes.COLOURS) + len(scenes.KINDS) + 2)
-    lm_aux_head = torch.nn.Linear(
-        arch.text.hidden_size, len(scenes.COLOURS) + len(scenes.KINDS) + len(scenes.PLACES) + 3
-    )
+    aux_head = tower_head(arch.text.hidden_size)
+    lm_aux_head = torch.nn.Linear(arch.text.hidden_size, sum(LABELS))
     _init(tower)
     _init(lm)
     encoder = Encoder(out)
