@@ -28,7 +28,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     train.add_argument("out", help="output directory (created; must be empty)")
     train.add_argument("--steps", type=int, help="optimizer steps (default: the shipped model's)")
-    train.add_argument("--batch-size", type=int, help="samples per step (default 32)")
+    train.add_argument(
+        "--batch-size", type=int,
+        help="questions per joint step (default: the shipped model's, 48)",
+    )  # fmt: skip
     train.add_argument(
         "--tower-steps", type=int,
         help="steps of the vision tower alone first (default: the shipped model's)",

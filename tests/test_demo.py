@@ -20,6 +20,7 @@ from common.served_model import builtin_model
 from epd.cli import main as epd_main
 from models import load_family
 from models.demo import probe, scenes
+from models.demo import train as train_module
 from models.demo.train import (
     DEMO_SHAPE,
     LABELS,
@@ -434,6 +435,20 @@ def test_a_frozen_tower_keeps_its_phase_weights_while_the_lm_learns(tmp_path):
         if name.startswith("visual."):
             assert torch.equal(first[name], last[name]), name
     assert not all(torch.equal(first[k], last[k]) for k in first if not k.startswith("visual."))
+
+
+def test_progress_bar_counts_time_left_at_the_recent_rate(monkeypatch):
+    # 100 cheap tower steps (0.1 s each), then joint steps of 1 s: after 250 of 400 steps,
+    # 150 s are left, not the 96 s that the mean rate since the start would promise.
+    clock = [0.0]
+    monkeypatch.setattr(train_module.time, "monotonic", lambda: clock[0])
+    stream = io.StringIO()
+    show = train_module.progress_bar(stream)
+    for step in range(1, 251):
+        clock[0] += 0.1 if step <= 100 else 1.0
+        show(step, 400, 1.0, 0.5)
+    last = stream.getvalue().rsplit("\r", 1)[-1]
+    assert "250/400" in last and "1.00 steps/s" in last and "2.5 min left" in last, last
 
 
 def test_settings_overrides_parse_by_field_type_and_refuse_unknown_fields():

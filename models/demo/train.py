@@ -23,6 +23,7 @@ chosen on validation scenes, scenes.sample(500 .. 1499), neither held out nor tr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -1441,16 +1442,23 @@ def answers(
 
 
 def progress_bar(stream: Any = sys.stderr) -> Callable[[int, int, float, float], None]:
-    """A one-line progress bar: step, loss, batch accuracy (smoothed), rate and time left."""
+    """A one-line progress bar: step, loss, batch accuracy (smoothed), rate and time left.
+    The rate is that of the last 100 steps: the tower's steps are several times cheaper than
+    the joint ones, and frozen-tower steps cheaper again, so the mean since the start would
+    promise too early an end."""
     start = time.monotonic()
     smooth = {"loss": None, "acc": None}
+    recent: collections.deque[tuple[float, int]] = collections.deque([(start, 0)], maxlen=101)
 
     def show(step: int, steps: int, loss: float, acc: float) -> None:
         for key, value in (("loss", loss), ("acc", acc)):
             old = smooth[key]
             smooth[key] = value if old is None else 0.95 * old + 0.05 * value
-        elapsed = time.monotonic() - start
-        rate = step / elapsed
+        now = time.monotonic()
+        elapsed = now - start
+        recent.append((now, step))
+        then, before = recent[0]
+        rate = (step - before) / (now - then) if now > then else 0.0
         width = 30
         filled = width * step // steps
         bar = "#" * filled + "." * (width - filled)
