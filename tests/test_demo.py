@@ -298,14 +298,15 @@ def test_descriptions_look_up_each_next_shape_and_what_is_left_to_name():
     assert q == len(left.rows) and sizes == {1, 2, 3}
 
 
+def _same_scene_questions(encoder: Encoder, seeds: int) -> tuple[list, list[scenes.Sample]]:
+    """The "same scene?" questions among the first `seeds` held-out samples, as examples."""
+    samples = [scenes.sample(s) for s in range(seeds)]
+    samples = [s for s in samples if s.question == scenes.SAME_SCENE]
+    return [encoder.example(s, drawn_labels=True) for s in samples], samples
+
+
 def test_same_scene_questions_match_the_second_pictures_shapes_to_the_first():
-    encoder = Encoder(builtin_model())
-    batch, samples = [], []
-    for seed in range(60):
-        sample = scenes.sample(seed)
-        if sample.question == scenes.SAME_SCENE:
-            batch.append(encoder.example(sample, drawn_labels=True))
-            samples.append(sample)
+    batch, samples = _same_scene_questions(Encoder(builtin_model()), 60)
     assert {s.answer for s in samples} == {"yes", "no"}
     assert all(e.same_scene for e in batch)
     probes = _probes(
@@ -348,6 +349,52 @@ def test_same_scene_questions_match_the_second_pictures_shapes_to_the_first():
                     (s.kind, s.place) for s in odd
                 }
     assert q == len(tokens.rows)
+
+
+def test_same_scene_place_words_compare_the_shapes_at_their_place_in_both_pictures():
+    encoder = Encoder(builtin_model())
+    batch, samples = _same_scene_questions(encoder, 80)
+    supervision = Supervision(
+        1.0, (1,), (0, 1), (), match_layers=(1, 2), match_heads=(3, 2), compare_heads=(0, 2)
+    )
+    probes = _probes(batch, supervision)
+    firsts, seconds = [p for p in probes if p.heads in ((0,), (2,)) and p.layers == (1,)]
+    last = next(p for p in probes if p.layers == (2,) and p.heads == (2,))
+    places = list(scenes.PLACES)
+    starts = [0]
+    for e in batch[:-1]:
+        starts.append(starts[-1] + len(e.token_ids))
+    differ = 0
+    for i, (e, sample, start) in enumerate(zip(batch, samples, starts, strict=True)):
+        offsets = [start + s.offset for s in e.spans]
+        words = offsets[1] + e.media[1].grid.num_tokens + 1
+        assert encoder.tokenizer.decode(e.token_ids[words - start : words - start + 5]) == (
+            "Do these two pictures show"
+        )
+        by_place = [{s.place: s for s in scene.shapes} for scene in sample.scenes]
+        marked = set(last.targets[i].nonzero().squeeze(1).tolist())
+        for w, place in enumerate(places):
+            for picture, gathers in enumerate((firsts, seconds)):
+                row = 5 * i + w
+                assert gathers.rows[row] == words + w
+                keys = gathers.targets[row].nonzero().squeeze(1).tolist()
+                shape = by_place[picture].get(place)
+                if shape is None:
+                    assert keys == [start]
+                else:
+                    labels = e.token_labels[picture][[k - offsets[picture] for k in keys]]
+                    assert {tuple(r) for r in labels.tolist()} == {
+                        (1 + list(scenes.COLOURS).index(shape.colour),
+                         1 + scenes.KINDS.index(shape.kind), 1 + w)
+                    }  # fmt: skip
+            # The last row marks the place words whose two shapes differ, and no token of the
+            # first picture (none can know what the second lacks).
+            same = by_place[0].get(place) == by_place[1].get(place)
+            assert (words + w in marked) == (not same)
+            differ += not same
+        assert not any(offsets[0] <= k < offsets[0] + e.media[0].grid.num_tokens for k in marked)
+        assert (sample.answer == "yes") == (marked == {start})
+    assert differ > 0 and len(firsts.rows) == len(seconds.rows) == 5 * len(batch)
 
 
 def test_tower_forward_is_the_served_numerics_with_gradients(tiny_checkpoint):

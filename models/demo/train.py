@@ -189,6 +189,18 @@ class TrainSettings:
     # not (a row reading each picture's whole content to compare, run AL, did not learn it).
     match_layers: tuple[int, ...] = (1, 2)
     match_heads: tuple[int, ...] = (3, 2)
+    # "Same scene?" place by place (needs match_layers): a shape the second picture lacks, or
+    # one moved away from a place, is there in the first picture only, where no token can
+    # see the second. So the question's first words, one per place (PLACES' order: "Do" for
+    # the left, " these" for the top, ...), each look at both: in layer match_layers[0],
+    # head compare_heads[0] onto the first picture's shape at the word's place and
+    # compare_heads[1] onto the second's (the first token where there is none). A word whose
+    # two shapes differ then marks a difference, and the last row (match_layers[1]) is
+    # pulled onto those words besides the second picture's unmatched tokens (instead of onto
+    # the first picture's tokens of a lacking shape, which nothing can tell from the others).
+    # The two heads may be one: its weight is then split between the two places (each pull
+    # is its own loss term). Empty: off (runs MB-MF, README).
+    compare_heads: tuple[int, ...] = ()
     # Descriptions in order (attention supervision, needs attn_weight): "a red circle, an
     # orange star and a yellow cross" names the shapes in KINDS' order, so each next shape
     # is the one of the least kind after the last named. Besides the colour and kind rows
@@ -796,6 +808,7 @@ class Supervision:
     read_weight: float = 0.0
     match_layers: tuple[int, ...] = ()
     match_heads: tuple[int, ...] = ()
+    compare_heads: tuple[int, ...] = ()
 
 
 def forward_loss(
@@ -883,15 +896,24 @@ def forward_loss(
     return loss, (wrong == 0).sum()
 
 
-def _matches(e: Example) -> tuple[list[tuple[int, torch.Tensor]], tuple[int, torch.Tensor]]:
+# (row, key tokens) pairs of one example's supervision.
+Pairs = list[tuple[int, torch.Tensor]]
+
+
+def _matches(
+    e: Example, by_place: bool = False
+) -> tuple[Pairs, tuple[int, torch.Tensor], list[Pairs]]:
     """A two-picture example's match supervision (TrainSettings.match_layers) as (row, key
     tokens) of the example: each shape token of the second picture onto the first picture's
     tokens of its colour and kind; the last prompt row onto the tokens of the shapes either
-    picture has and the other lacks. Token 0 where there is nothing to find."""
+    picture has and the other lacks. Token 0 where there is nothing to find. With `by_place`
+    (TrainSettings.compare_heads) also, per picture, each place word onto that picture's
+    shape at its place, and the last row onto the place words whose shapes differ instead of
+    onto the first picture's lacking tokens."""
     first, second = e.token_labels
     a, b = e.spans[0].offset, e.spans[1].offset
     sink = torch.tensor([0])
-    tokens = []
+    tokens: Pairs = []
     for t in (second[:, 1] > 0).nonzero().squeeze(1).tolist():
         same = (first[:, 0] == second[t, 0]) & (first[:, 1] == second[t, 1])
         on = same.nonzero().squeeze(1)
@@ -902,8 +924,22 @@ def _matches(e: Example) -> tuple[list[tuple[int, torch.Tensor]], tuple[int, tor
         has = {tuple(r) for r in y[y[:, 1] > 0].tolist()}
         return [t for t, r in enumerate(x.tolist()) if r[1] > 0 and tuple(r) not in has]
 
-    keys = [a + t for t in lacking(first, second)] + [b + t for t in lacking(second, first)]
-    return tokens, (e.num_prompt - 1, torch.tensor(keys) if keys else sink)
+    keys = [b + t for t in lacking(second, first)]
+    places: list[Pairs] = [[], []]
+    if by_place:
+        # The question's words start after the second picture and its <|vision_end|>.
+        words = b + e.media[1].grid.num_tokens + 1
+        for i in range(len(scenes.PLACES)):
+            shapes = []
+            for j, (offset, labels) in enumerate(((a, first), (b, second))):
+                on = (labels[:, 2] == i + 1).nonzero().squeeze(1)
+                places[j].append((words + i, offset + on if len(on) else sink))
+                shapes.append(tuple(labels[on[0], :2].tolist()) if len(on) else None)
+            if shapes[0] != shapes[1]:
+                keys.append(words + i)
+    else:
+        keys = [a + t for t in lacking(first, second)] + keys
+    return tokens, (e.num_prompt - 1, torch.tensor(keys) if keys else sink), places
 
 
 def _probes(
@@ -920,6 +956,7 @@ def _probes(
     read: list[torch.Tensor] = []  # per lookup, its shape's labels
     fetches: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     matches: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[], []]  # tokens, last row
+    places: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[], []]  # per picture
     continues: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     for i, e in enumerate(batch):
         for row, image, kind in e.lookups:
@@ -935,9 +972,11 @@ def _probes(
                 keys = e.spans[image].offset + on if len(on) else torch.tensor([0])
                 continues.append(packing.supervised(i, row, keys))
         if attn.match_layers and e.same_scene:
-            tokens, last = _matches(e)
+            tokens, last, by_place = _matches(e, bool(attn.compare_heads))
             matches[0] += [packing.supervised(i, row, keys) for row, keys in tokens]
             matches[1].append(packing.supervised(i, *last))
+            for j, pairs in enumerate(by_place):
+                places[j] += [packing.supervised(i, row, keys) for row, keys in pairs]
     probes = []
     reading = attn.readers is not None and attn.read_weight > 0
     sets = [
@@ -948,6 +987,8 @@ def _probes(
     if attn.match_layers:  # two layers, two heads (validated)
         for i, (layer, h) in enumerate(zip(attn.match_layers, attn.match_heads, strict=True)):
             sets.append(((layer,), (h,), matches[i], []))
+        for head, pairs in zip(attn.compare_heads, places, strict=False):  # none: no heads
+            sets.append(((attn.match_layers[0],), (head,), pairs, []))
     for at, heads, pairs, labels in sets:
         if not at or not pairs:
             continue
@@ -1135,6 +1176,7 @@ def _train_here(
         settings.read_weight,
         settings.match_layers,
         settings.match_heads,
+        settings.compare_heads,
     )
     lm_aux_head = lm_aux_head if settings.lm_aux_weight else None
     for step, batch in enumerate(_prefetched(batch_of, settings.steps)):
@@ -1187,9 +1229,14 @@ def validate(settings: TrainSettings) -> None:
         ("attn_heads", settings.attn_heads, shape.num_heads),
         ("match_layers", settings.match_layers, shape.num_layers),
         ("match_heads", settings.match_heads if settings.match_layers else (), shape.num_heads),
+        ("compare_heads", settings.compare_heads, shape.num_heads),
     ):
         if any(not 0 <= v < limit for v in values):
             raise ValueError(f"{name}: each from 0 to {limit - 1}, got {values}")
+    if settings.compare_heads and not (settings.match_layers and len(settings.compare_heads) == 2):
+        raise ValueError(
+            f"compare_heads: two (or none), with match_layers; got {settings.compare_heads}"
+        )
     _question_weights(settings)
 
 
