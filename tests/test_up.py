@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import Any
 
 import grpc
 import psutil
@@ -26,7 +27,10 @@ from tests.model_helpers import make_video
 
 
 class Up:
-    """`epd up` as a child process; reads its stdout until the cluster says SERVING."""
+    """`epd up` as a child process. Its stdout and stderr are read from the start, each on a
+    thread of its own: a pipe nobody reads fills (64 KiB) and would block the launcher and
+    its roles in their logging (before, stdout was read only until SERVING, and stderr only
+    by the tests that drained it)."""
 
     def __init__(self, *args: str, env: dict | None = None):
         self.grpc_port, self.http_port = free_port(), free_port()
@@ -42,15 +46,33 @@ class Up:
             env={**os.environ, "EPD_LM_KV_CACHE_BYTES": "64MiB", **(env or {})},
         )
         self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self._serving = threading.Event()
+        self._readers = [
+            threading.Thread(target=self._read, args=(pipe, lines), daemon=True)
+            for pipe, lines in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr))
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, pipe: Any, lines: list[str]) -> None:
+        for line in pipe:
+            lines.append(line)
+            if pipe is self.proc.stdout and line.startswith("Ctrl-C stops the cluster"):
+                self._serving.set()
 
     def wait_serving(self, timeout: float = 120) -> None:
+        """Until the launcher prints its endpoints (it ends with "Ctrl-C stops the cluster")."""
         deadline = time.monotonic() + timeout
-        for line in self.proc.stdout:
-            self.stdout.append(line)
-            if line.startswith("Ctrl-C stops the cluster"):
-                return
+        while not self._serving.wait(0.2):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"epd up ended before SERVING: {self.stderr_text()}")
             assert time.monotonic() < deadline, "epd up did not print its endpoints in time"
-        raise AssertionError(f"epd up ended before SERVING: {self.proc.stderr.read()}")
+
+    def stderr_text(self, timeout: float = 15) -> str:
+        """All the launcher wrote to stderr, once it (and every child holding the pipe) ended."""
+        self._readers[1].join(timeout)
+        return "".join(self.stderr)
 
     def descendants(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)
@@ -165,7 +187,7 @@ def test_up_serves_and_ctrl_c_leaves_nothing_behind(up, tmp_path):
     assert_all_gone(children)
     for port in (cluster.grpc_port, cluster.http_port):
         assert port_is_free("127.0.0.1", port)
-    assert "cluster stopped" in cluster.proc.stderr.read()
+    assert "cluster stopped" in cluster.stderr_text()
 
 
 def test_killed_launcher_takes_its_children_with_it(up):
@@ -181,7 +203,7 @@ def test_role_failing_at_startup_stops_everything_with_its_name(up):
     dead_redis = f"redis://127.0.0.1:{free_port()}/0"
     cluster = up("--redis-url", dead_redis, env={"EPD_CONNECTOR_STARTUP_WAIT_SECONDS": "0.5"})
     assert cluster.proc.wait(60) == 1
-    err = cluster.proc.stderr.read()
+    err = cluster.stderr_text()
     assert "exited with code 1 during start-up" in err
     assert "did not answer within" in err  # the role's own log says why
 
@@ -224,18 +246,6 @@ def generate(port: int, images: tuple[bytes, ...] = (), max_tokens: int = 4) -> 
         return [t for r in stub.Generate(request, timeout=60) for t in r.token_ids]
 
 
-def drain_stderr(cluster: Up) -> list[str]:
-    """The launcher's stderr, read as it comes (a full pipe would block the roles' logging)."""
-    lines: list[str] = []
-
-    def read() -> None:
-        for line in cluster.proc.stderr:
-            lines.append(line)
-
-    threading.Thread(target=read, daemon=True).start()
-    return lines
-
-
 def child_named(cluster: Up, name: str) -> psutil.Process | None:
     for p in cluster.descendants():
         try:
@@ -262,7 +272,7 @@ def test_up_restarts_a_dead_role_and_redis_and_serves_meanwhile(up):
 
     cluster = up("--lm-workers", "2")
     cluster.wait_serving()
-    err = drain_stderr(cluster)
+    err = cluster.stderr
 
     old = child_named(cluster, "lm-1")
     old.kill()
@@ -314,7 +324,7 @@ def test_up_on_an_external_redis_cluster(up, redis_cluster):
 def test_up_gives_up_past_the_restart_budget(up):
     cluster = up("--max-restarts", "0")
     cluster.wait_serving()
-    err = drain_stderr(cluster)
+    err = cluster.stderr
     child_named(cluster, "encoder-0").kill()
     assert cluster.proc.wait(60) == 1
     wait_for(lambda: "cluster stopped" in "".join(err), "the launcher's last words", 10)
