@@ -35,6 +35,7 @@ from lm_worker.request import Request
 from models import SamplingParams, load_family
 
 PROMPT_LEN = 64
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _prompt(i: int) -> list[int]:
@@ -42,7 +43,7 @@ def _prompt(i: int) -> list[int]:
 
 
 class Ours:
-    def __init__(self, model_dir: Path, max_num_seqs: int, device: str):
+    def __init__(self, model_dir: Path, max_num_seqs: int, device: str, dtype: torch.dtype):
         lm = LMConfig(
             device=device,
             kv_cache_bytes=1 << 30,
@@ -50,7 +51,7 @@ class Ours:
             max_num_batched_tokens=max(2048, max_num_seqs),
         )
         family = load_family(model_dir)
-        self.engine: LMEngine = build_engine(lm, family, torch.float32, registry=None)
+        self.engine: LMEngine = build_engine(lm, family, dtype, registry=None)
         self.count = 0
 
     def run(self, streams: int, new_tokens: int) -> float:
@@ -68,7 +69,7 @@ class Ours:
 
 
 class HuggingFace:
-    def __init__(self, model_dir: Path, device: str):
+    def __init__(self, model_dir: Path, device: str, dtype: torch.dtype):
         try:
             import transformers
         except ImportError as e:
@@ -78,7 +79,7 @@ class HuggingFace:
             ) from e
         architecture = json.loads((model_dir / "config.json").read_text())["architectures"][0]
         cls = getattr(transformers, architecture)
-        self.model = cls.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
+        self.model = cls.from_pretrained(model_dir, dtype=dtype).eval().to(device)
         self.device = device
 
     @torch.inference_mode()
@@ -148,8 +149,9 @@ def run(args: argparse.Namespace) -> int:
     device = (
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
-    ours = Ours(model_dir, max(args.streams, 1), device)
-    hf = HuggingFace(model_dir, device)
+    dtype = DTYPES[args.dtype]
+    ours = Ours(model_dir, max(args.streams, 1), device, dtype)
+    hf = HuggingFace(model_dir, device, dtype)
     n = args.tokens
     ours.run(1, 4)  # warm-up both
     hf.run(1, 4)
@@ -177,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         "device": device,
         "cpu": cpu_model() if device == "cpu" else torch.cuda.get_device_name(),
         "threads": args.threads,
+        "dtype": args.dtype,
         "linear_kernel": ours.engine.linear_kernel,
         "new_tokens": n,
         "batch1_ours_tps": round(med(ours_b1), 2),
@@ -231,6 +234,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians reported")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=list(DTYPES),
+        help="weights and compute, both sides (default float32; bfloat16 reads half the bytes)",
+    )
     p.add_argument(
         "--profile",
         type=int,
