@@ -10,7 +10,8 @@ Both sides run in this process on the same threads, interleaved round by round:
   reduction and a GEMV, each over as many bytes as a step's weights; a copy reads and writes,
   so its rate is no limit). Both ours
   and HF's batch-1 rates are given as a fraction of it.
-The CPU model and the linear kernel the LM worker chose at start-up are printed with the figures.
+The CPU model and the linear kernel the LM worker chose at start-up are printed with the figures;
+`--dtype bfloat16` runs both sides' weights and compute in bf16 (the roofline counts its bytes).
 The last line is one JSON object with the figures and ratios.
 """
 
@@ -33,9 +34,9 @@ from lm_worker.engine import LMEngine
 from lm_worker.loader import build_engine
 from lm_worker.request import Request
 from models import SamplingParams, load_family
+from models.checkpoint import DTYPES
 
 PROMPT_LEN = 64
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _prompt(i: int) -> list[int]:
@@ -237,7 +238,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype",
         default="float32",
-        choices=list(DTYPES),
+        choices=["float32", "bfloat16"],
         help="weights and compute, both sides (default float32; bfloat16 reads half the bytes)",
     )
     p.add_argument(
