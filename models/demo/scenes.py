@@ -76,7 +76,7 @@ class Scene:
         """'a red circle', 'a red circle and a blue square', 'a, b and c': the shapes in
         KINDS' order, not in reading order: which shape comes next then depends on what is
         there, not on where. The tiny model learns places slowly; trained on descriptions in
-        reading order it answered far fewer "where" questions (the README's runs AJ, AL)."""
+        reading order it answered far fewer "where" questions (runs AJ, AL in RUNS.md)."""
         shapes = sorted(self.shapes, key=lambda s: KINDS.index(s.kind))
         names = [f"{_article(s.colour)} {s.name}" for s in shapes]
         if len(names) == 1:

@@ -177,7 +177,7 @@ class TrainSettings:
     # Questions about one picture share their prefix (the chat template and the picture) in
     # the LM's packed step: it runs once, not once per question (Layout). The same loss in
     # fewer operations (a step 15-19% cheaper at 2 questions a picture); off, each question
-    # is a sequence of its own, as in the recipes before run DA (README).
+    # is a sequence of its own, as in the recipes before run DA (RUNS.md).
     share_prefix: bool = True
     # "Same scene?" by matching (empty: off): in layer match_layers[0] each shape token of the
     # second picture is pulled with head match_heads[0] onto the first picture's tokens of
@@ -199,7 +199,7 @@ class TrainSettings:
     # pulled onto those words besides the second picture's unmatched tokens (instead of onto
     # the first picture's tokens of a lacking shape, which nothing can tell from the others).
     # The two heads may be one: its weight is then split between the two places (each pull
-    # is its own loss term). Empty: off (runs MB-MF, README).
+    # is its own loss term). Empty: off (runs MB-MF, RUNS.md).
     compare_heads: tuple[int, ...] = ()
     # Descriptions in order (attention supervision, needs attn_weight): "a red circle, an
     # orange star and a yellow cross" names the shapes in KINDS' order, so each next shape
