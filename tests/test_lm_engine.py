@@ -331,9 +331,12 @@ def test_abort_mid_stream(tiny_checkpoint, cases):
     assert engine.scheduler.blocks.num_used == 0
 
 
-def test_the_cpu_engine_never_imports_triton(tiny_checkpoint):
+def test_the_cpu_engine_never_imports_the_triton_kernel(tiny_checkpoint):
+    """A CPU machine need not have Triton: the kernel's module is imported only for a cache on
+    a GPU. (Triton itself may be loaded here anyway: where it is installed, as with the test
+    extra, torch imports it when building modules.)"""
     import sys
 
     engine = make_engine(tiny_checkpoint)
     assert engine.runner.attention.decode_kernel is None
-    assert "triton" not in sys.modules and "lm_worker.triton_decode" not in sys.modules
+    assert "lm_worker.triton_decode" not in sys.modules
