@@ -442,7 +442,7 @@ def plot(rows: list[dict], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from e
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
     series: dict[tuple, list[dict]] = {}
     for row in rows:
         series.setdefault((row["topology"], row["reuse"]), []).append(row)
@@ -452,17 +452,29 @@ def plot(rows: list[dict], path: str) -> None:
         (axes[0], "ttft_ms", "time to first token"),
         (axes[1], "itl_ms", "inter-token latency"),
     )
+    # A colour per topology, a marker per reuse ratio; p50 solid, p99 dashed.
+    colours = {t: f"C{i}" for i, t in enumerate(dict.fromkeys(r["topology"] for r in rows))}
+    markers = {r: m for r, m in zip(sorted({r["reuse"] for r in rows}), "os^Dv*", strict=False)}
+    bursts = any(math.isinf(r["request_rate"]) for r in rows)
     for ax, metric, title in panels:
         for (topology, reuse), points in sorted(series.items()):
             xs = [burst if math.isinf(p["request_rate"]) else p["request_rate"] for p in points]
-            for q, style in (("p50", "-o"), ("p99", "--x")):
+            for q, line in (("p50", "-"), ("p99", "--")):
                 ys = [p[metric][q] for p in points]
-                ax.plot(xs, ys, style, label=f"{topology}, reuse {reuse:g}, {q}")
-        ax.set_xlabel("request rate (requests/s; the last tick: all at once)")
+                ax.plot(
+                    xs,
+                    ys,
+                    line,
+                    color=colours[topology],
+                    marker=markers.get(reuse, "o"),
+                    label=f"{topology}, reuse {reuse:g}, {q}",
+                )
+        rate = "request rate (requests/s"
+        ax.set_xlabel(rate + ("; the last tick: all at once)" if bursts else ")"))
         ax.set_ylabel("ms")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
