@@ -684,9 +684,9 @@ def test_forward_loss_of_the_shipped_model_is_low():
 
 
 def test_tower_probe_tells_the_shipped_towers_kinds_from_an_untrained_ones(tmp_path):
-    """The probe (models/demo/RUNS.md, runs LA-LE) on fewer pictures: the shipped tower's shapes are told
-    by kind (93% on the full probe, 89% on this one), a tower after three steps of its phase
-    barely (29%; a fifth by chance); both scored on the same shapes."""
+    """The probe (models/demo/RUNS.md, runs LA-LE) on fewer pictures: the shipped tower's
+    shapes are told by kind (93% on the full probe, 89% on this one), a tower after three steps
+    of its phase barely (29%; a fifth by chance); both scored on the same shapes."""
     fit, test = range(probe.FIT.start, probe.FIT.start + 120), probe.TEST[:100]
     path = builtin_model()
     shipped = probe.tower_kinds(probe.checkpoint_tower(path), Encoder(path), fit, test)

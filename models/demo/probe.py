@@ -1,5 +1,5 @@
 """How well a vision tower tells the kind of shape each of its tokens covers: the measure behind
-the built-in model's remaining mistakes (models/demo/RUNS.md, runs LA-LE), cheap enough to compare towers
+the built-in model's remaining mistakes (RUNS.md, runs LA-LE), cheap enough to compare towers
 in minutes where a whole training takes fifteen.
 
     accuracy = tower_kinds(tower, encoder)   # a linear probe, fitted and scored on fresh pictures
