@@ -37,18 +37,21 @@ KERNELS: tuple[Kernel, ...] = ("linear", "onednn", "mkl")
 
 
 class PackedLinear(nn.Linear):
-    """nn.Linear computed by oneDNN from a packed weight (inference only). The dense weight
-    is dropped unless another module shares it (a tied LM head shares the embedding's)."""
+    """nn.Linear computed by oneDNN from a weight packed once (inference only). The dense
+    weight is dropped unless another module shares it (a tied LM head shares the embedding's).
+
+    The product runs `mkldnn::_linear_pointwise` (the op torch's inductor emits), which takes
+    dense rows and gives a dense result, the same bits as `mkldnn_linear`; that one wants
+    oneDNN tensors on both sides, and the conversions there and back cost about 75 us a layer
+    under the profiler (`epd bench lm`, RESULTS.md)."""
 
     packed_weight: torch.Tensor
-    packed_bias: torch.Tensor | None
+    _op = None  # torch.ops.mkldnn._linear_pointwise.default, set by use_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        rows = x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn()
-        out = torch._C._nn.mkldnn_linear(rows, self.packed_weight, self.packed_bias).to_dense()
-        return out.view(*x.shape[:-1], self.out_features)
+        return self._op(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
 
 
 class MKLPackedLinear(nn.Linear):
@@ -71,6 +74,10 @@ class MKLPackedLinear(nn.Linear):
             rows.contiguous(), self.packed_weight, self.weight, self.bias, 1
         )
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def mkl_available() -> bool:
@@ -96,22 +103,20 @@ def use_kernel(model: nn.Module, kernel: Kernel, keep_dense: bool = False) -> in
     """Switch the model's CPU fp32 linear layers to `kernel`; returns how many (0: the kernel
     is not built into this torch). With `keep_dense`, oneDNN-packed layers keep their dense
     weight (so the choice can be undone)."""
-    if kernel == "onednn" and not torch.backends.mkldnn.is_available():
+    if kernel == "onednn" and not onednn_available():
         return 0
     if kernel == "mkl" and not mkl_available():
         return 0
     layers = linear_layers(model)
     for module in layers:  # back to plain nn.Linear first
-        if type(module) is PackedLinear:
-            del module.packed_weight, module.packed_bias
-        elif type(module) is MKLPackedLinear:
+        if type(module) in (PackedLinear, MKLPackedLinear):
             del module.packed_weight
         module.__class__ = nn.Linear
     if kernel == "onednn":
+        PackedLinear._op = torch.ops.mkldnn._linear_pointwise.default
         for module in layers:
             module.__class__ = PackedLinear
             module.packed_weight = module.weight.detach().to_mkldnn()
-            module.packed_bias = None if module.bias is None else module.bias.detach().to_mkldnn()
         if not keep_dense:
             _drop_unshared_dense_weights(model)
     elif kernel == "mkl":
@@ -262,7 +267,7 @@ def weight_bytes(model: nn.Module) -> int:
             continue
         tensors = list(module._parameters.values())
         if isinstance(module, PackedLinear):
-            tensors = [module.packed_weight, module.packed_bias]
+            tensors = [module.packed_weight, module.bias]
         for t in tensors:
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
