@@ -124,3 +124,34 @@ def run(engine: LMEngine, *cases_and_requests) -> dict[str, Collected]:
         engine.add_request(request, sinks[request.request_id], embeddings)
     engine.run_to_completion()
     return sinks
+
+
+def decode_case(
+    dtype, seq_lens, head_dim, device="cuda", block=16, kv_heads=2, heads=8, width=None
+):
+    """A PagedAttention with a random cache and decode metadata over scattered blocks, block
+    tables `width` wide (wider than the longest sequence needs, as under graphs), and a query
+    per sequence: the inputs of the paged decode kernel and of the torch path."""
+    from lm_worker.attention import PagedAttention, PagedAttentionMetadata
+
+    torch.manual_seed(0)
+    need = [-(-n // block) for n in seq_lens]
+    att = PagedAttention(block, head_dim)
+    att.allocate(1, sum(need) + 8, kv_heads, head_dim, dtype, torch.device(device))
+    att.kv_cache.normal_()
+    width = width or max(need) + 3
+    order = (torch.randperm(sum(need) + 7) + 1).tolist()  # never the null block 0
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.long)
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor([order.pop() for _ in range(n)])
+    meta = PagedAttentionMetadata(
+        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long, device=device),
+        num_decodes=len(seq_lens),
+        decode_block_tables=tables.to(device),
+        decode_seq_lens=torch.tensor(seq_lens, device=device),
+        prefill_query_lens=[],
+        prefill_seq_lens=[],
+        prefill_block_tables=[],
+    )
+    q = torch.randn(len(seq_lens), heads, head_dim, dtype=dtype, device=device)
+    return att, q, meta

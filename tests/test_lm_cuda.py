@@ -14,7 +14,7 @@ from lm_worker.loader import build_engine
 from lm_worker.request import Request
 from models import SamplingParams, load_family
 from models.testing import ReferenceModel, make_checkpoint
-from tests.lm_helpers import Collected
+from tests.lm_helpers import Collected, decode_case
 
 pytestmark = pytest.mark.cuda
 
@@ -83,39 +83,11 @@ def test_graph_speedup(tmp_path_factory):
             assert times["on"] >= MIN_SPEEDUP_AT_BATCH_1 * times["off"], times
 
 
-def _decode_case(dtype, seq_lens, head_dim, block=16, kv_heads=2, heads=8, width=None):
-    """A PagedAttention with a random cache and decode metadata over scattered blocks, block
-    tables `width` wide (wider than the longest sequence needs, as under graphs)."""
-    from lm_worker.attention import PagedAttention, PagedAttentionMetadata
-
-    torch.manual_seed(0)
-    need = [-(-n // block) for n in seq_lens]
-    att = PagedAttention(block, head_dim)
-    att.allocate(1, sum(need) + 8, kv_heads, head_dim, dtype, torch.device("cuda"))
-    att.kv_cache.normal_()
-    width = width or max(need) + 3
-    order = (torch.randperm(sum(need) + 7) + 1).tolist()  # never the null block 0
-    tables = torch.zeros(len(seq_lens), width, dtype=torch.long)
-    for i, n in enumerate(need):
-        tables[i, :n] = torch.tensor([order.pop() for _ in range(n)])
-    meta = PagedAttentionMetadata(
-        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long, device="cuda"),
-        num_decodes=len(seq_lens),
-        decode_block_tables=tables.cuda(),
-        decode_seq_lens=torch.tensor(seq_lens, device="cuda"),
-        prefill_query_lens=[],
-        prefill_seq_lens=[],
-        prefill_block_tables=[],
-    )
-    q = torch.randn(len(seq_lens), heads, head_dim, dtype=dtype, device="cuda")
-    return att, q, meta
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_triton_paged_decode_matches_the_torch_path(dtype, window, head_dim):
-    att, q, meta = _decode_case(dtype, [1, 16, 17, 100, 250], head_dim)
+    att, q, meta = decode_case(dtype, [1, 16, 17, 100, 250], head_dim)
     assert att.decode_kernel is not None, "the Triton decode kernel is not in use on CUDA"
     layer_kv = att.kv_cache[0]
     got = att._decode(q, layer_kv, meta, window, 0)
@@ -126,7 +98,7 @@ def test_triton_paged_decode_matches_the_torch_path(dtype, window, head_dim):
 
 
 def test_triton_paged_decode_in_a_graph_follows_the_lengths_written_later():
-    att, q, meta = _decode_case(torch.bfloat16, [5, 40, 130], 64, width=64)
+    att, q, meta = decode_case(torch.bfloat16, [5, 40, 130], 64, width=64)
     layer_kv = att.kv_cache[0]
     att._decode(q, layer_kv, meta, None, 0)  # compile outside the capture
     torch.cuda.synchronize()
@@ -145,7 +117,7 @@ def test_triton_paged_decode_in_a_graph_follows_the_lengths_written_later():
 def test_triton_paged_decode_speed_at_long_context():
     # What graphs gain from reading only the used blocks: 8 sequences, tables 8192 tokens
     # wide (the torch path gathers all of them), half of them used. Printed with -s.
-    att, q, meta = _decode_case(torch.bfloat16, [4096] * 8, 128, kv_heads=4, heads=32, width=512)
+    att, q, meta = decode_case(torch.bfloat16, [4096] * 8, 128, kv_heads=4, heads=32, width=512)
     layer_kv = att.kv_cache[0]
     times = {}
     for name, kernel in (("triton", att.decode_kernel), ("torch", None)):

@@ -49,42 +49,21 @@ def test_the_triton_kernel_in_the_interpreter_matches_the_torch_path():
 def _run_cases() -> list[dict]:
     import torch
 
-    from lm_worker.attention import PagedAttention, PagedAttentionMetadata
     from lm_worker.triton_decode import paged_decode
+    from tests.lm_helpers import decode_case
 
     results = []
     for dtype_name, window, head_dim, seq_lens in CASES:
         dtype = getattr(torch, dtype_name)
-        block, kv_heads, heads = 16, 2, 8
-        torch.manual_seed(0)
-        need = [-(-n // block) for n in seq_lens]
-        att = PagedAttention(block, head_dim)
-        att.allocate(1, sum(need) + 8, kv_heads, head_dim, dtype, torch.device("cpu"))
-        att.kv_cache.normal_()
-        # Block tables wider than any sequence needs (as under graphs), over scattered blocks;
-        # block 0 is the null block the padding points at.
-        order = (torch.randperm(sum(need) + 7) + 1).tolist()
-        tables = torch.zeros(len(seq_lens), max(need) + 3, dtype=torch.long)
-        for i, n in enumerate(need):
-            tables[i, :n] = torch.tensor([order.pop() for _ in range(n)])
-        meta = PagedAttentionMetadata(
-            slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long),
-            num_decodes=len(seq_lens),
-            decode_block_tables=tables,
-            decode_seq_lens=torch.tensor(seq_lens),
-            prefill_query_lens=[],
-            prefill_seq_lens=[],
-            prefill_block_tables=[],
-        )
-        q = torch.randn(len(seq_lens), heads, head_dim, dtype=dtype)
-        layer_kv = att.kv_cache[0]
+        att, q, meta = decode_case(dtype, seq_lens, head_dim, device="cpu")
+        layer_kv, tables, block = att.kv_cache[0], meta.decode_block_tables, att.block_size
         want = att._decode(q, layer_kv, meta, window, 0)  # the torch path, on the clean cache
 
         # Poison everything no sequence may read: unused blocks (the null block included) and
         # the slots past each sequence's last token.
         poisoned = torch.full_like(layer_kv, float("nan"))
         for i, n in enumerate(seq_lens):
-            for b in range(need[i]):
+            for b in range(-(-n // block)):
                 used = min(block, n - b * block)
                 poisoned[:, tables[i, b], :used] = layer_kv[:, tables[i, b], :used]
         got = paged_decode(
