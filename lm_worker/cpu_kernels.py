@@ -20,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -251,10 +253,18 @@ def _read_cache(path: Path | None) -> dict:
 
 
 def _write_cache(path: Path, data: dict) -> None:
+    """Write the cache whole, through a temporary file of this writer's own: workers starting
+    together on one host (prefill and decode, or several LM workers) each rename theirs into
+    place, the last one wins, and a choice lost that way only costs a measurement later."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -60,3 +60,23 @@ def test_engine_gives_the_reference_tokens_with_either_kernel(tiny_checkpoint, k
     engine = make_engine(tiny_checkpoint, cpu_linear=kernel)
     assert engine.linear_kernel == kernel
     assert run(engine, text)["text"].token_ids == text.expected
+
+
+def test_workers_writing_the_cache_at_once_all_start(tmp_path):
+    """Workers that start together on one host (prefill and decode, two LM workers) write the
+    same cache file at once: none may fail, and what is left is one whole cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lm_worker.cpu_kernels import _write_cache
+
+    path = tmp_path / "cpu_kernels.json"
+
+    def writer(i: int) -> None:
+        for j in range(50):
+            _write_cache(path, {f"w{i}": {"kernel": "linear", "ms": {"linear@1": float(j)}}})
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(writer, range(8)))  # re-raises a writer's error
+    (entry,) = json.loads(path.read_text()).values()
+    assert entry == {"kernel": "linear", "ms": {"linear@1": 49.0}}
+    assert [p.name for p in tmp_path.iterdir()] == ["cpu_kernels.json"]  # no temporary left
