@@ -454,10 +454,23 @@ class LMConfig:
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     # Largest decode batch captured; larger batches run eagerly.
     max_graph_batch_size: int = 64
-    # The CPU's linear kernel: auto (timed at start-up over the model's own layers, the fastest
-    # that matches F.linear; cached per CPU and model shape), linear (torch's F.linear), onednn
-    # (oneDNN on weights packed once), mkl (MKL's packed sgemm for one-row products).
-    cpu_linear: Literal["auto", "linear", "onednn", "mkl"] = "auto"
+    # The CPU's linear kernels: auto (timed at start-up over the model's own layers, the fastest
+    # that matches F.linear at one row and at a decode batch, each; cached per CPU and model
+    # shape), or ROW+BATCH: the one-row kernel, linear (torch's F.linear), onednn (oneDNN on
+    # weights packed once), mkl (MKL's packed sgemm) or gemv (ours, lm_worker/gemv.c, built
+    # with the machine's C compiler on first use), and the batch kernel, linear or onednn; a
+    # name alone is that kernel for both where it runs batches (mkl, gemv: F.linear for them).
+    cpu_linear: Literal[
+        "auto",
+        "linear",
+        "onednn",
+        "mkl",
+        "gemv",
+        "linear+onednn",
+        "onednn+linear",
+        "mkl+onednn",
+        "gemv+onednn",
+    ] = "auto"
     # How long a request may wait for its embeddings to appear in the cache.
     embedding_timeout_seconds: float = 120.0
     # Admit a request at once and prefill its text up to the first item whose embedding has

@@ -9,84 +9,201 @@ step, at the row counts it will run (one decode row, and a full decode batch), c
 faster one gives the same numbers as `F.linear`, and keeps it. The choice is cached per CPU,
 torch version, thread count and model shape, and logged.
 
-Candidates: `linear` (torch's F.linear on the dense weights), `onednn` (mkldnn_linear on
-weights packed once) and `mkl` (MKL's packed sgemm for one row, on weights packed once for it;
-other row counts run F.linear on the dense weights it keeps). All run on torch's own thread
-pool.
+The one-row kernel (a decode step of one sequence) and the batch kernel (a decode batch,
+prefill) are chosen apart: a kernel that streams one row of products at memory speed is not
+the one that runs 32 rows fastest. Candidates for one row: `linear` (torch's F.linear on the
+dense weights), `onednn` (mkldnn_linear on weights packed once), `mkl` (MKL's packed sgemm for
+one row, on weights packed once for it) and `gemv` (our own kernel, lm_worker/gemv.c, built
+here with the machine's C compiler on first use); for batches `linear` and `onednn`. A choice
+is named "gemv+onednn" (one row + batch), or by one name where both are the same. All run on
+torch's own thread pool.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import json
 import logging
 import os
 import platform
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.config import cache_dir
+
 logger = logging.getLogger(__name__)
 
-Kernel = Literal["linear", "onednn", "mkl"]
-KERNELS: tuple[Kernel, ...] = ("linear", "onednn", "mkl")
+Kernel = Literal["linear", "onednn", "mkl", "gemv"]
+ROW_KERNELS: tuple[Kernel, ...] = ("linear", "onednn", "mkl", "gemv")  # for one-row products
+BATCH_KERNELS: tuple[Kernel, ...] = ("linear", "onednn")  # for several rows
+# A choice names the one-row kernel and the batch kernel, "gemv+onednn"; one name alone is
+# that kernel for both where it runs batches, else F.linear for them ("gemv" = "gemv+linear").
+KERNELS = (
+    "linear",
+    "onednn",
+    "mkl",
+    "gemv",
+    "linear+onednn",
+    "onednn+linear",
+    "mkl+onednn",
+    "gemv+onednn",
+)
 
 
-class PackedLinear(nn.Linear):
-    """nn.Linear computed by oneDNN from a weight packed once (inference only). The dense
-    weight is dropped unless another module shares it (a tied LM head shares the embedding's).
+def kernel_pair(name: str) -> tuple[Kernel, Kernel]:
+    """(one-row kernel, batch kernel) of a choice's name."""
+    row, _, batch = name.partition("+")
+    batch = batch or (row if row in BATCH_KERNELS else "linear")
+    if row not in ROW_KERNELS or batch not in BATCH_KERNELS:
+        raise ValueError(f"unknown CPU linear kernel {name!r}: one of {', '.join(KERNELS)}")
+    return row, batch
 
-    The product runs `mkldnn::_linear_pointwise` (the op torch's inductor emits), which takes
-    dense rows and gives a dense result, the same bits as `mkldnn_linear`; that one wants
-    oneDNN tensors on both sides, and the conversions there and back cost about 75 us a layer
-    under the profiler (`epd bench lm`, RESULTS.md)."""
 
-    packed_weight: torch.Tensor
-    _op = None  # torch.ops.mkldnn._linear_pointwise.default, set by use_kernel
+def kernel_name(row: Kernel, batch: Kernel) -> str:
+    return row if kernel_pair(row) == (row, batch) else f"{row}+{batch}"
+
+
+class CPULinear(nn.Linear):
+    """nn.Linear on the kernels chosen for it (inference only): `row` for one-row products (a
+    decode step of one sequence), `batch` for more rows. oneDNN reads a copy of the weight
+    packed once (`packed_weight`), MKL's one-row sgemm a copy packed for one row
+    (`mkl_weight`); F.linear and our gemv read the dense weight, which is dropped when no
+    kernel of the layer reads it and no other module shares it (a tied LM head shares the
+    embedding's).
+
+    oneDNN runs `mkldnn::_linear_pointwise` (the op torch's inductor emits), which takes dense
+    rows and gives a dense result, the same bits as `mkldnn_linear`; that one wants oneDNN
+    tensors on both sides, and the conversions there and back cost about 75 us a layer under
+    the profiler (`epd bench lm`, RESULTS.md)."""
+
+    row: Kernel = "linear"
+    batch: Kernel = "linear"
+    packed_weight: torch.Tensor | None = None
+    mkl_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == 0:
+        rows = x.reshape(-1, x.shape[-1])  # the LM's [tokens, hidden] as it is
+        if rows.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        return self._op(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+        product = _PRODUCTS[self.row if rows.shape[0] == 1 else self.batch]
+        return product(self, rows.contiguous()).view(*x.shape[:-1], self.out_features)
 
 
-class MKLPackedLinear(nn.Linear):
-    """nn.Linear whose one-row products (a decode step of one sequence) run MKL's packed sgemm
-    on a copy of the weight packed for one row; other row counts run F.linear on the dense
-    weight, which it keeps (inference only)."""
-
-    packed_weight: torch.Tensor
-    _op = None  # torch.ops.mkl._mkl_linear.default, set by use_kernel (no overload lookup)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:  # the LM's [tokens, hidden]: no reshapes around the product
-            if x.shape[0] != 1:
-                return F.linear(x, self.weight, self.bias)
-            return self._op(x.contiguous(), self.packed_weight, self.weight, self.bias, 1)
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] != 1:
-            return F.linear(x, self.weight, self.bias)
-        out = torch.ops.mkl._mkl_linear(
-            rows.contiguous(), self.packed_weight, self.weight, self.bias, 1
-        )
-        return out.view(*x.shape[:-1], self.out_features)
+_OPS: dict[str, Any] = {}  # op handles, looked up once by use_kernel (not per product)
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def _linear(m: CPULinear, rows: torch.Tensor) -> torch.Tensor:
+    return F.linear(rows, m.weight, m.bias)
 
 
-def mkl_available() -> bool:
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+def _onednn(m: CPULinear, rows: torch.Tensor) -> torch.Tensor:
+    return _OPS["onednn"](rows, m.packed_weight, m.bias, "none", [], "")
 
 
-_CLASSES = (nn.Linear, PackedLinear, MKLPackedLinear)
+def _mkl(m: CPULinear, rows: torch.Tensor) -> torch.Tensor:
+    return _OPS["mkl"](rows, m.mkl_weight, m.weight, m.bias, 1)
+
+
+def _gemv(m: CPULinear, rows: torch.Tensor) -> torch.Tensor:
+    out = rows.new_empty(1, m.out_features)
+    _OPS["gemv"](
+        m.weight.data_ptr(),
+        rows.data_ptr(),
+        m.bias.data_ptr() if m.bias is not None else None,
+        out.data_ptr(),
+        m.out_features,
+        m.in_features,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+_PRODUCTS = {"linear": _linear, "onednn": _onednn, "mkl": _mkl, "gemv": _gemv}
+
+GEMV_SOURCE = Path(__file__).with_name("gemv.c")
+GEMV_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+
+
+@functools.cache
+def gemv_library() -> tuple[ctypes.CDLL | None, str]:
+    """Our one-row kernel (gemv.c), built once per machine and compiler into the cache
+    directory and loaded; or None and why not (no C compiler, a failed build, a torch not on
+    OpenMP, or an OpenMP runtime other than torch's)."""
+    if sys.platform != "linux":
+        return None, "built on Linux only"
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None, "torch does not run its threads on OpenMP here"
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None, "no C compiler (cc, or $CC)"
+    recipe = [GEMV_SOURCE.read_bytes(), " ".join(GEMV_FLAGS).encode(), compiler.encode()]
+    recipe.append(_cpu_model().encode())  # -march=native builds for this CPU
+    key = hashlib.sha256(b"\0".join(recipe)).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"gemv-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".gemv-", suffix=".so", dir=path.parent)
+        os.close(fd)
+        try:
+            command = [compiler, *GEMV_FLAGS, str(GEMV_SOURCE), "-o", tmp]
+            built = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if built.returncode != 0:
+                why = f"{' '.join(command)} failed: {built.stderr.strip()[-800:]}"
+                logger.warning("our gemv kernel did not build: %s", why)
+                return None, why
+            os.replace(tmp, path)  # workers building at once: each renames its own file
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    lib = ctypes.CDLL(str(path))
+    runtimes = _openmp_runtimes()
+    if len(runtimes) != 1:
+        # Two runtimes' thread pools spin against each other on the same cores.
+        return None, f"it would not share torch's OpenMP runtime (loaded: {sorted(runtimes)})"
+    lib.epd_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int]
+    lib.epd_gemv.restype = None
+    return lib, ""
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtime libraries mapped into this process (Linux)."""
+    names = ("libgomp", "libiomp", "libomp")
+    paths = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split()[-1]
+        if Path(path).name.startswith(names):
+            paths.add(os.path.realpath(path))
+    return paths
+
+
+def unavailable(name: str) -> str:
+    """Why the kernels `name` says cannot run here ("" when they can)."""
+    return "; ".join(why for why in map(_unavailable, dict.fromkeys(kernel_pair(name))) if why)
+
+
+def _unavailable(kernel: Kernel) -> str:
+    if kernel == "onednn" and not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return "oneDNN's linear op is not built into this torch"
+    if kernel == "mkl" and not (
+        torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    ):
+        return "MKL's linear op is not built into this torch"
+    if kernel == "gemv":
+        return gemv_library()[1]
+    return ""
 
 
 def linear_layers(model: nn.Module) -> list[nn.Linear]:
@@ -94,48 +211,48 @@ def linear_layers(model: nn.Module) -> list[nn.Linear]:
     return [
         m
         for m in model.modules()
-        if type(m) in _CLASSES
+        if type(m) in (nn.Linear, CPULinear)
         and m.weight is not None
         and m.weight.device.type == "cpu"
         and m.weight.dtype == torch.float32
+        and m.weight.is_contiguous()  # our gemv reads rows in place
     ]
 
 
-def use_kernel(model: nn.Module, kernel: Kernel, keep_dense: bool = False) -> int:
-    """Switch the model's CPU fp32 linear layers to `kernel`; returns how many (0: the kernel
-    is not built into this torch). With `keep_dense`, oneDNN-packed layers keep their dense
-    weight (so the choice can be undone)."""
-    if kernel == "onednn" and not onednn_available():
+def use_kernel(model: nn.Module, name: str, keep_dense: bool = False) -> int:
+    """Switch the model's CPU fp32 linear layers to the kernels `name` says (see kernel_pair);
+    returns how many (0: a kernel of it cannot run here, `unavailable` says why). With
+    `keep_dense`, every layer keeps its dense weight (so the choice can be undone)."""
+    row, batch = kernel_pair(name)
+    if unavailable(name):
         return 0
-    if kernel == "mkl" and not mkl_available():
-        return 0
+    if "onednn" in (row, batch):
+        _OPS["onednn"] = torch.ops.mkldnn._linear_pointwise.default
+    if row == "mkl":
+        _OPS["mkl"] = torch.ops.mkl._mkl_linear.default
+    if row == "gemv":
+        _OPS["gemv"] = gemv_library()[0].epd_gemv
     layers = linear_layers(model)
-    for module in layers:  # back to plain nn.Linear first
-        if type(module) in (PackedLinear, MKLPackedLinear):
-            del module.packed_weight
-        module.__class__ = nn.Linear
-    if kernel == "onednn":
-        PackedLinear._op = torch.ops.mkldnn._linear_pointwise.default
-        for module in layers:
-            module.__class__ = PackedLinear
-            module.packed_weight = module.weight.detach().to_mkldnn()
-        if not keep_dense:
-            _drop_unshared_dense_weights(model)
-    elif kernel == "mkl":
-        MKLPackedLinear._op = torch.ops.mkl._mkl_linear.default
-        for module in layers:
-            module.__class__ = MKLPackedLinear
-            module.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(
-                module.weight.detach(), 1
-            )
+    for module in layers:
+        module.__class__ = CPULinear
+        module.row, module.batch = row, batch
+        weight = module.weight.detach()
+        onednn = "onednn" in (row, batch)
+        module.packed_weight = weight.to_mkldnn() if onednn else None
+        module.mkl_weight = (
+            torch.ops.mkl._mkl_reorder_linear_weight(weight, 1) if row == "mkl" else None
+        )
+    if (row, batch) == ("onednn", "onednn") and not keep_dense:
+        _drop_unshared_dense_weights(model)
     return len(layers)
 
 
 def _drop_unshared_dense_weights(model: nn.Module) -> None:
-    """A packed layer's dense weight is only needed if another module shares it."""
+    """A layer that reads only its packed weight needs the dense one if another module
+    shares it."""
     uses = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
     for module in model.modules():
-        weight = module.weight if type(module) is PackedLinear else None
+        weight = module.weight if type(module) is CPULinear else None
         if weight is not None and uses[id(weight)] == 1:
             module.weight = None
 
@@ -154,7 +271,7 @@ def _time_chain(layers: list[nn.Linear], rows: int, repeats: int = 3) -> float:
 
 
 def _same_numbers(layers: list[nn.Linear]) -> bool:
-    """Packed and dense give the same outputs (to fp32 accumulation-order noise), at one row
+    """The layers' kernels give F.linear's outputs (to fp32 accumulation-order noise), at one row
     and at several."""
     with torch.inference_mode():
         for m in layers:
@@ -168,28 +285,28 @@ def _same_numbers(layers: list[nn.Linear]) -> bool:
 
 def choose_linear_kernel(
     model: nn.Module, batch_rows: int, cache_dir: Path | None = None
-) -> tuple[Kernel, dict[str, float]]:
-    """Time the candidates at 1 row and `batch_rows` rows, switch the model to the fastest
-    (summed over both) that holds the numbers, and return it with the timings (ms). A cached
-    choice for this CPU, torch, thread count and model shape is reused without timing."""
+) -> tuple[str, dict[str, float]]:
+    """Time the candidates at 1 row and `batch_rows` rows, switch the model to the fastest that
+    holds the numbers at each (one-row and batch kernels chosen apart, e.g. "gemv+onednn"),
+    and return the choice's name with the timings (ms). A cached choice for this CPU, torch,
+    thread count and model shape is reused without timing."""
     layers = linear_layers(model)
     if not layers:
         return "linear", {}
     key = _cache_key(layers, batch_rows)
     cache = cache_dir / "cpu_kernels.json" if cache_dir is not None else None
     known = _read_cache(cache)
-    if key in known:
-        kernel, timings = known[key]["kernel"], known[key]["ms"]
-        use_kernel(model, kernel)
-        return kernel, timings
+    if key in known and use_kernel(model, known[key]["kernel"]) > 0:  # else measured again
+        return known[key]["kernel"], known[key]["ms"]
     # Two rounds over the candidates, keeping each one's best: a burst of other work on the
     # machine then slows one round of every candidate, not one candidate.
     timings: dict[str, float] = {}
-    usable = list(KERNELS)
+    usable = list(ROW_KERNELS)
     for _ in range(2):
         for kernel in list(usable):
             if use_kernel(model, kernel, keep_dense=True) == 0:
-                usable.remove(kernel)  # not built into this torch
+                usable.remove(kernel)
+                logger.info("the %s linear kernel cannot run here: %s", kernel, unavailable(kernel))
                 continue
             if kernel != "linear" and not _same_numbers(layers):
                 logger.warning(
@@ -198,19 +315,17 @@ def choose_linear_kernel(
                 usable.remove(kernel)
                 continue
             for rows in sorted({1, batch_rows}):
-                if kernel == "mkl" and rows != 1:
-                    continue  # F.linear on the dense weights: the `linear` candidate's code
-                name = f"{kernel}@{rows}"
-                ms = round(_time_chain(layers, rows) * 1e3, 3)
-                timings[name] = min(timings.get(name, ms), ms)
-    if "mkl@1" in timings and batch_rows != 1:
-        timings[f"mkl@{batch_rows}"] = timings[f"linear@{batch_rows}"]
-    totals = {
-        k: sum(v for name, v in timings.items() if name.startswith(k + "@"))
-        for k in KERNELS
-        if f"{k}@1" in timings
-    }
-    kernel = min(totals, key=totals.get)
+                if rows == 1 or kernel in BATCH_KERNELS:
+                    name = f"{kernel}@{rows}"
+                    ms = round(_time_chain(layers, rows) * 1e3, 3)
+                    timings[name] = min(timings.get(name, ms), ms)
+    row = min(usable, key=lambda k: timings[f"{k}@1"])
+    batch = kernel_pair(row)[1]
+    if batch_rows != 1:
+        batch = min(
+            (k for k in usable if k in BATCH_KERNELS), key=lambda k: timings[f"{k}@{batch_rows}"]
+        )
+    kernel = kernel_name(row, batch)
     use_kernel(model, kernel)
     if cache is not None:
         known[key] = {"kernel": kernel, "ms": timings}
@@ -227,6 +342,7 @@ def _cache_key(layers: list[nn.Linear], batch_rows: int) -> str:
         torch.get_num_threads(),
         batch_rows,
         sorted(shapes.items()),
+        KERNELS,  # a new candidate is measured, not passed over by an old choice
     ]
     return hashlib.sha256(json.dumps(machine, default=str).encode()).hexdigest()[:16]
 
@@ -268,15 +384,17 @@ def _write_cache(path: Path, data: dict) -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the weights one decode step reads: every linear layer's (packed copies where
-    packed), norms and biases; an embedding table is looked up, one row a token, so it does
-    not count (a tied LM head reads its own packed copy)."""
+    """Bytes of the weights a decode step of one sequence reads: every linear layer's (oneDNN's
+    packed copy where its one-row kernel is oneDNN; MKL's packed copy, padded to many times
+    the weight on small layers, is counted as the weight it holds), norms and biases; an
+    embedding table is looked up, one row a token, so it does not count (a tied LM head reads
+    its own copy)."""
     seen, total = set(), 0
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             continue
         tensors = list(module._parameters.values())
-        if isinstance(module, PackedLinear):
+        if isinstance(module, CPULinear) and module.row == "onednn":
             tensors = [module.packed_weight, module.bias]
         for t in tensors:
             if t is not None and id(t) not in seen:

@@ -97,7 +97,7 @@ class LMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.linear_kernel = linear_kernel  # the loader's choice: linear / onednn / mkl / cuda
+        self.linear_kernel = linear_kernel  # the loader's choice: cpu_kernels.KERNELS or cuda
         self.emit = emit or deliver
         self.metrics = EngineMetrics(registry)
         self.live: dict[str, _Live] = {}

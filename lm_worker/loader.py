@@ -14,7 +14,7 @@ from connector.kv import KVStore
 from connector.kv_stream import KVInbox, KVSender
 from lm_worker.attention import PagedAttention
 from lm_worker.block_manager import BlockManager
-from lm_worker.cpu_kernels import choose_linear_kernel, use_kernel
+from lm_worker.cpu_kernels import choose_linear_kernel, linear_layers, unavailable, use_kernel
 from lm_worker.engine import Emit, LMEngine
 from lm_worker.kv_connector import SharedKVConnector
 from lm_worker.model_runner import ModelRunner
@@ -142,7 +142,10 @@ def _fit_context(lm: LMConfig, max_model_len: int, num_blocks: int) -> int:
 def _choose_cpu_kernel(lm: LMConfig, model: torch.nn.Module) -> str:
     """`lm.cpu_linear`, or (auto) the kernel measured fastest here for this model."""
     if lm.cpu_linear != "auto":
-        use_kernel(model, lm.cpu_linear)
+        if use_kernel(model, lm.cpu_linear) == 0 and linear_layers(model):
+            raise RuntimeError(
+                f"lm.cpu_linear: {lm.cpu_linear} cannot run here: {unavailable(lm.cpu_linear)}"
+            )
         return lm.cpu_linear
     kernel, timings = choose_linear_kernel(model, min(lm.max_num_seqs, 32), cache_dir())
     logger.info("CPU linear kernel: %s (ms per pass over the layers: %s)", kernel, timings)

@@ -1,5 +1,7 @@
-"""The CPU linear kernel chosen by measurement: whichever wins, the numbers stay F.linear's, and
-the choice is cached per machine and model shape."""
+"""The CPU linear kernels chosen by measurement: whichever win, the numbers stay F.linear's, and
+the choice is cached per machine and model shape. Our own one-row kernel (lm_worker/gemv.c) is
+built with the machine's C compiler, held against F.linear here, and refused with a reason
+where it cannot be built."""
 
 from __future__ import annotations
 
@@ -9,8 +11,21 @@ import pytest
 import torch
 from torch import nn
 
-from lm_worker.cpu_kernels import KERNELS, choose_linear_kernel, use_kernel, weight_bytes
+from common.config import LMConfig
+from lm_worker import cpu_kernels
+from lm_worker.cpu_kernels import (
+    KERNELS,
+    choose_linear_kernel,
+    kernel_pair,
+    unavailable,
+    use_kernel,
+    weight_bytes,
+)
 from tests.lm_helpers import make_engine
+
+needs_gemv = pytest.mark.skipif(
+    bool(unavailable("gemv")), reason=f"our gemv kernel cannot run here: {unavailable('gemv')}"
+)
 
 
 def mlp(seed: int = 0) -> nn.Sequential:
@@ -26,6 +41,11 @@ def test_choice_keeps_the_numbers_and_is_cached(tmp_path):
     kernel, timings = choose_linear_kernel(model, batch_rows=8, cache_dir=tmp_path)
     assert kernel in KERNELS
     assert {"linear@1", "linear@8"} <= set(timings)
+    # The one-row and the batch kernel are each the fastest measured for their rows.
+    row, batch = kernel_pair(kernel)
+    assert timings[f"{row}@1"] == min(v for k, v in timings.items() if k.endswith("@1"))
+    assert timings[f"{batch}@8"] == min(v for k, v in timings.items() if k.endswith("@8"))
+    assert {(m.row, m.batch) for m in model} == {(row, batch)}
     with torch.inference_mode():
         torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-5)
 
@@ -43,15 +63,19 @@ def test_switching_kernels_back_and_forth_keeps_outputs():
     with torch.inference_mode():
         want, want_one = model(x), model(one)
         dense = weight_bytes(model)
-        for kernel in ("onednn", "linear", "mkl", "onednn", "mkl", "linear"):
-            use_kernel(model, kernel, keep_dense=True)
+        for kernel in (*KERNELS, *reversed(KERNELS)):
+            if unavailable(kernel):
+                continue
+            assert use_kernel(model, kernel, keep_dense=True) == 3
             torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(model(one), want_one, rtol=1e-4, atol=1e-5)
     assert weight_bytes(model) >= dense  # packed copies are what a step reads
 
 
-@pytest.mark.parametrize("kernel", ["linear", "onednn", "mkl"])
+@pytest.mark.parametrize("kernel", ["linear", "onednn", "mkl", "gemv+onednn"])
 def test_engine_gives_the_reference_tokens_with_either_kernel(tiny_checkpoint, kernel):
+    if unavailable(kernel):
+        pytest.skip(f"{kernel} cannot run here: {unavailable(kernel)}")
     from models.testing import ReferenceModel
     from tests.lm_helpers import case, run
 
@@ -80,3 +104,78 @@ def test_workers_writing_the_cache_at_once_all_start(tmp_path):
     (entry,) = json.loads(path.read_text()).values()
     assert entry == {"kernel": "linear", "ms": {"linear@1": 49.0}}
     assert [p.name for p in tmp_path.iterdir()] == ["cpu_kernels.json"]  # no temporary left
+
+
+@needs_gemv
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("n", "k", "bias"), [(1, 1, True), (7, 63, True), (33, 64, False), (130, 200, True)]
+)
+def test_gemv_gives_f_linear_s_numbers(n, k, bias, threads):
+    """Every row, whatever the length (the vector loop and its tail), with and without bias,
+    on one thread and on two; a [..., k] input keeps its leading shape."""
+    torch.manual_seed(n * k)
+    layer = nn.Linear(k, n, bias=bias)
+    x = torch.randn(1, 1, k)
+    with torch.inference_mode():
+        want = layer(x)
+        assert use_kernel(layer, "gemv") == 1
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            got = layer(x)
+        finally:
+            torch.set_num_threads(before)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@needs_gemv
+def test_gemv_reads_the_dense_weight_and_batches_run_the_batch_kernel():
+    model = mlp()
+    dense = weight_bytes(model)
+    x, one = torch.randn(4, 64), torch.randn(1, 64)
+    with torch.inference_mode():
+        want, want_one = model(x), model(one)
+        use_kernel(model, "gemv+onednn")
+        assert weight_bytes(model) == dense  # a one-row step reads the dense weights
+        assert all(m.weight is not None and m.packed_weight is not None for m in model)
+        torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model(one), want_one, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("compiler", "reason"),
+    [("no-such-compiler-here", "no C compiler"), ("false", "failed")],
+)
+def test_gemv_that_cannot_be_built_says_why_and_is_not_chosen(
+    monkeypatch, tmp_path, compiler, reason
+):
+    monkeypatch.setenv("CC", compiler)
+    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_kernels.gemv_library.cache_clear()
+    try:
+        assert reason in unavailable("gemv+onednn")
+        model = mlp()
+        assert use_kernel(model, "gemv") == 0
+        assert all(type(m) is nn.Linear for m in model)  # untouched
+        kernel, timings = choose_linear_kernel(model, batch_rows=4, cache_dir=tmp_path)
+        assert "gemv" not in kernel and "gemv@1" not in timings
+        # Asked for by name, it is an error at start-up, not a quiet F.linear.
+        with pytest.raises(RuntimeError, match=f"lm.cpu_linear: gemv cannot run here: .*{reason}"):
+            from lm_worker.loader import _choose_cpu_kernel
+
+            _choose_cpu_kernel(LMConfig(cpu_linear="gemv"), mlp())
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.gemv_library.cache_clear()
+
+
+def test_every_kernel_name_is_a_config_value_and_back():
+    from typing import get_args, get_type_hints
+
+    assert get_args(get_type_hints(LMConfig)["cpu_linear"]) == ("auto", *KERNELS)
+    for name in KERNELS:
+        assert cpu_kernels.kernel_name(*kernel_pair(name)) == name
+    with pytest.raises(ValueError, match="unknown CPU linear kernel"):
+        kernel_pair("gemv+mkl")  # mkl runs one row only
