@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from common.process import epd_command, free_port
+from lm_worker.cpu_kernels import KERNELS
 
 
 def bench(*args: str, stdout: list[str] | None = None) -> dict:
@@ -79,8 +80,8 @@ def test_bench_lm(tiny_checkpoint):
     assert "1 prefill + 3 decode steps" in printed[0] and "Self CPU" in printed[0]
     assert summary["batch1_ours_tps"] > 0 and summary["batch1_hf_tps"] > 0
     assert summary["roofline_tps"] > 0 and summary["streams_vs_hf_batch"] > 0
-    assert summary["linear_kernel"] in ("linear", "onednn", "mkl")
-    assert set(summary["read_bandwidth_gbps"]) == {"sum", "gemv"}
+    assert summary["linear_kernel"] in KERNELS
+    assert {"sum", "gemv"} <= set(summary["read_bandwidth_gbps"]) <= {"sum", "gemv", "gemv_ours"}
     assert summary["hf_batch1_vs_roofline"] > 0
     assert summary["dtype"] == "float32"
 

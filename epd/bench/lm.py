@@ -6,9 +6,9 @@ Both sides run in this process on the same threads, interleaved round by round:
 - concurrency: our engine with S concurrent streams against `generate` at batch B (default 32
   vs 8), aggregate tokens/s including prefill, as a serving system would see it;
 - the roofline at batch 1: every decode step reads all LM weights once, so the fastest possible
-  step takes weight bytes / memory *read* bandwidth (measured here as the better of a streaming
-  reduction and a GEMV, each over as many bytes as a step's weights; a copy reads and writes,
-  so its rate is no limit). Both ours
+  step takes weight bytes / memory *read* bandwidth (measured here as the best of a streaming
+  reduction and GEMVs, torch's and ours, each over as many bytes as a step's weights; a copy
+  reads and writes, so its rate is no limit). Both ours
   and HF's batch-1 rates are given as a fraction of it.
 The CPU model and the linear kernel the LM worker chose at start-up are printed with the figures;
 `--dtype bfloat16` runs both sides' weights and compute in bf16 (the roofline counts its bytes).
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from common.config import LMConfig
 from common.served_model import ensure_bench_model
-from lm_worker.cpu_kernels import weight_bytes
+from lm_worker.cpu_kernels import gemv_library, unavailable, weight_bytes
 from lm_worker.engine import LMEngine
 from lm_worker.loader import build_engine
 from lm_worker.request import Request
@@ -111,7 +111,8 @@ def _sync() -> None:
 def read_bandwidth(device: str, nbytes: int = 256 * 2**20) -> dict[str, float]:
     """Bytes per second *reading* memory (what a decode step does with its weights), best of 5:
     a streaming reduction over `nbytes` (at least 256 MiB), and a GEMV (one row) over an fp32
-    matrix of that size. The roofline divides by the larger. The bench passes the weight bytes
+    matrix of that size, torch's and, on a CPU where it runs, ours (`gemv_ours`,
+    lm_worker/gemv.c). The roofline divides by the largest. The bench passes the weight bytes
     of a step: a buffer that fits the last-level cache (300 MiB on some hosts) would be read
     from it, faster than a step's weights stream. (A tensor copy reads and writes: it is no
     read rate.)"""
@@ -119,10 +120,17 @@ def read_bandwidth(device: str, nbytes: int = 256 * 2**20) -> dict[str, float]:
     data = torch.ones(rows * 4096, device=device)
     matrix = data.view(rows, 4096)
     row = torch.ones(1, 4096, device=device)
-    best = {"sum": float("inf"), "gemv": float("inf")}
+    probes = {"sum": data.sum, "gemv": lambda: F.linear(row, matrix)}
+    if device == "cpu" and not unavailable("gemv"):
+        gemv, out = gemv_library()[0].epd_gemv, torch.empty(rows)
+        threads = torch.get_num_threads()
+        probes["gemv_ours"] = lambda: gemv(
+            matrix.data_ptr(), row.data_ptr(), None, out.data_ptr(), rows, 4096, threads
+        )
+    best = dict.fromkeys(probes, float("inf"))
     with torch.inference_mode():
         for _ in range(5):
-            for name, fn in (("sum", data.sum), ("gemv", lambda: F.linear(row, matrix))):
+            for name, fn in probes.items():
                 started = time.perf_counter()
                 fn()
                 _sync()
@@ -220,9 +228,15 @@ def profile_batch1(ours: Ours, tokens: int) -> str:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         seconds = ours.run(1, tokens)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    note = ""
+    if ours.engine.linear_kernel.startswith("gemv"):
+        note = (
+            "\nthe one-row products run our gemv kernel (a C call, no torch op): their time is "
+            "in the wall time above, not in the table"
+        )
     return (
         f"profile: 1 request, {tokens} tokens (1 prefill + {tokens - 1} decode steps) in "
-        f"{seconds * 1e3:.1f} ms under the profiler\n{table}"
+        f"{seconds * 1e3:.1f} ms under the profiler\n{table}{note}"
     )
 
 
