@@ -140,7 +140,7 @@ class PagedAttention:
             q.unsqueeze(2),  # [D, H, 1, d]
             kv[0],
             kv[1],
-            attn_mask=self._decode_mask(layer_idx, meta, L, window, q.device),
+            attn_mask=self._decode_mask(layer_idx, meta, L, window, q),
             scale=self.scale,
             enable_gqa=True,
         )
@@ -148,20 +148,23 @@ class PagedAttention:
 
     @staticmethod
     def _decode_mask(
-        layer_idx: int, meta: PagedAttentionMetadata, L: int, window: int | None, device
-    ) -> torch.Tensor:  # [D, 1, 1, L] bool: the keys each decode sequence sees
+        layer_idx: int, meta: PagedAttentionMetadata, L: int, window: int | None, q: torch.Tensor
+    ) -> torch.Tensor:  # [D, 1, 1, L] of q's dtype: 0 on the keys each sequence sees, else -inf
         """Made by the first layer of a forward and reused by the others (every layer of a
-        step sees the same keys); tensor ops only, so it is captured with the graph."""
+        step sees the same keys); tensor ops only, so it is captured with the graph. Additive,
+        not bool: attention turns a bool mask into this in every call (two operations a layer,
+        about 3% of a CPU decode step of the bench's model)."""
         masks = meta.decode_masks
         if layer_idx == 0:
             masks.clear()
         mask = masks.get(window)
         if mask is None or mask.shape[-1] != L:
-            index = torch.arange(L, device=device)
+            index = torch.arange(L, device=q.device)
             valid = index < meta.decode_seq_lens[:, None]  # [D, L]
             if window is not None:  # only the last `window` keys
                 valid &= index >= meta.decode_seq_lens[:, None] - window
-            mask = masks[window] = valid[:, None, None, :]
+            mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device)
+            mask = masks[window] = mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
         return mask
 
     def _prefill(
