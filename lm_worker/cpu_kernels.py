@@ -148,25 +148,11 @@ def gemv_library() -> tuple[ctypes.CDLL | None, str]:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None, "no C compiler (cc, or $CC)"
-    recipe = [GEMV_SOURCE.read_bytes(), " ".join(GEMV_FLAGS).encode(), compiler.encode()]
-    recipe.append(_cpu_model().encode())  # -march=native builds for this CPU
-    key = hashlib.sha256(b"\0".join(recipe)).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"gemv-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".gemv-", suffix=".so", dir=path.parent)
-        os.close(fd)
-        try:
-            command = [compiler, *GEMV_FLAGS, str(GEMV_SOURCE), "-o", tmp]
-            built = subprocess.run(command, capture_output=True, text=True, timeout=120)
-            if built.returncode != 0:
-                why = f"{' '.join(command)} failed: {built.stderr.strip()[-800:]}"
-                logger.warning("our gemv kernel did not build: %s", why)
-                return None, why
-            os.replace(tmp, path)  # workers building at once: each renames its own file
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(_built_gemv(compiler)))
+    except (OSError, subprocess.SubprocessError) as e:  # a failed build, a noexec cache, ...
+        logger.warning("our gemv kernel cannot run: %s", e)
+        return None, str(e)
     runtimes = _openmp_runtimes()
     if len(runtimes) != 1:
         # Two runtimes' thread pools spin against each other on the same cores.
@@ -174,6 +160,30 @@ def gemv_library() -> tuple[ctypes.CDLL | None, str]:
     lib.epd_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int]
     lib.epd_gemv.restype = None
     return lib, ""
+
+
+def _built_gemv(compiler: str) -> Path:
+    """gemv.c built for this CPU by `compiler` (once: kept in the cache directory)."""
+    recipe = [GEMV_SOURCE.read_bytes(), " ".join(GEMV_FLAGS).encode(), compiler.encode()]
+    recipe.append(_cpu_model().encode())  # -march=native builds for this CPU
+    key = hashlib.sha256(b"\0".join(recipe)).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"gemv-{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".gemv-", suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        command = [compiler, *GEMV_FLAGS, str(GEMV_SOURCE), "-o", tmp]
+        built = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if built.returncode != 0:
+            raise subprocess.SubprocessError(
+                f"{' '.join(command)} failed: {built.stderr.strip()[-800:]}"
+            )
+        os.replace(tmp, path)  # workers building at once: each renames its own file
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return path
 
 
 def _openmp_runtimes() -> set[str]:

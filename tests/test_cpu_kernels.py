@@ -6,6 +6,7 @@ where it cannot be built."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -166,6 +167,23 @@ def test_gemv_that_cannot_be_built_says_why_and_is_not_chosen(
             from lm_worker.loader import _choose_cpu_kernel
 
             _choose_cpu_kernel(LMConfig(cpu_linear="gemv"), mlp())
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.gemv_library.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc)")
+def test_gemv_with_a_cache_it_cannot_write_says_why(monkeypatch, tmp_path):
+    """A read-only or odd cache directory costs the kernel, not the worker's start-up."""
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("EPD_CACHE_DIR", str(blocker))
+    cpu_kernels.gemv_library.cache_clear()
+    try:
+        assert "cache" in unavailable("gemv")  # the OSError names the path
+        kernel, _ = choose_linear_kernel(mlp(), batch_rows=4)
+        assert "gemv" not in kernel
     finally:
         monkeypatch.undo()
         cpu_kernels.gemv_library.cache_clear()
