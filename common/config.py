@@ -30,6 +30,19 @@ ENV_PREFIX = "EPD_"
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+# The CPU linear kernels an LM worker can run (lm_worker/cpu_kernels.py): ROW+BATCH, the kernel
+# of one-row products and the one of batches; a name alone is that kernel for both where it
+# runs batches (mkl and gemv run one row only: F.linear for batches).
+CPULinearKernel = Literal[
+    "linear",
+    "onednn",
+    "mkl",
+    "gemv",
+    "linear+onednn",
+    "onednn+linear",
+    "mkl+onednn",
+    "gemv+onednn",
+]
 
 
 _SIZE_UNITS = {
@@ -460,17 +473,7 @@ class LMConfig:
     # weights packed once), mkl (MKL's packed sgemm) or gemv (ours, lm_worker/gemv.c, built
     # with the machine's C compiler on first use), and the batch kernel, linear or onednn; a
     # name alone is that kernel for both where it runs batches (mkl, gemv: F.linear for them).
-    cpu_linear: Literal[
-        "auto",
-        "linear",
-        "onednn",
-        "mkl",
-        "gemv",
-        "linear+onednn",
-        "onednn+linear",
-        "mkl+onednn",
-        "gemv+onednn",
-    ] = "auto"
+    cpu_linear: Literal["auto", CPULinearKernel] = "auto"
     # How long a request may wait for its embeddings to appear in the cache.
     embedding_timeout_seconds: float = 120.0
     # Admit a request at once and prefill its text up to the first item whose embedding has

@@ -35,13 +35,13 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.config import cache_dir
+from common.config import CPULinearKernel, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +50,7 @@ ROW_KERNELS: tuple[Kernel, ...] = ("linear", "onednn", "mkl", "gemv")  # for one
 BATCH_KERNELS: tuple[Kernel, ...] = ("linear", "onednn")  # for several rows
 # A choice names the one-row kernel and the batch kernel, "gemv+onednn"; one name alone is
 # that kernel for both where it runs batches, else F.linear for them ("gemv" = "gemv+linear").
-KERNELS = (
-    "linear",
-    "onednn",
-    "mkl",
-    "gemv",
-    "linear+onednn",
-    "onednn+linear",
-    "mkl+onednn",
-    "gemv+onednn",
-)
+KERNELS: tuple[str, ...] = get_args(CPULinearKernel)
 
 
 def kernel_pair(name: str) -> tuple[Kernel, Kernel]:

@@ -189,10 +189,14 @@ def test_gemv_with_a_cache_it_cannot_write_says_why(monkeypatch, tmp_path):
         cpu_kernels.gemv_library.cache_clear()
 
 
-def test_every_kernel_name_is_a_config_value_and_back():
+def test_every_pair_of_kernels_has_one_name_and_back():
     from typing import get_args, get_type_hints
 
     assert get_args(get_type_hints(LMConfig)["cpu_linear"]) == ("auto", *KERNELS)
+    pairs = {kernel_pair(name) for name in KERNELS}
+    rows, batches = cpu_kernels.ROW_KERNELS, cpu_kernels.BATCH_KERNELS
+    assert pairs == {(row, batch) for row in rows for batch in batches}
+    assert len(pairs) == len(KERNELS)
     for name in KERNELS:
         assert cpu_kernels.kernel_name(*kernel_pair(name)) == name
     with pytest.raises(ValueError, match="unknown CPU linear kernel"):
