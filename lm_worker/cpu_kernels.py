@@ -85,11 +85,12 @@ class CPULinear(nn.Linear):
     mkl_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # the LM's [tokens, hidden] as it is
-        if rows.shape[0] == 0:
-            return x.new_empty(*x.shape[:-1], self.out_features)
-        product = _PRODUCTS[self.row if rows.shape[0] == 1 else self.batch]
-        return product(self, rows.contiguous()).view(*x.shape[:-1], self.out_features)
+        if x.dim() != 2:  # the LM's [tokens, hidden] runs as it is (each call costs us)
+            out = self.forward(x.reshape(-1, x.shape[-1]))
+            return out.view(*x.shape[:-1], self.out_features)
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.out_features)
+        return _PRODUCTS[self.row if x.shape[0] == 1 else self.batch](self, x.contiguous())
 
 
 _OPS: dict[str, Any] = {}  # op handles, looked up once by use_kernel (not per product)
