@@ -473,6 +473,7 @@ class LMConfig:
     # weights packed once), mkl (MKL's packed sgemm) or gemv (ours, lm_worker/gemv.c, built
     # with the machine's C compiler on first use), and the batch kernel, linear or onednn; a
     # name alone is that kernel for both where it runs batches (mkl, gemv: F.linear for them).
+    # bf16 layers take linear and gemv only.
     cpu_linear: Literal["auto", CPULinearKernel] = "auto"
     # How long a request may wait for its embeddings to appear in the cache.
     embedding_timeout_seconds: float = 120.0

@@ -110,7 +110,8 @@ def _mkl(m: CPULinear, rows: torch.Tensor) -> torch.Tensor:
 
 def _gemv(m: CPULinear, rows: torch.Tensor) -> torch.Tensor:
     out = rows.new_empty(1, m.out_features)
-    _OPS["gemv"](
+    bf16 = m.weight.dtype == torch.bfloat16
+    failed = _OPS["gemv_bf16" if bf16 else "gemv"](
         m.weight.data_ptr(),
         rows.data_ptr(),
         m.bias.data_ptr() if m.bias is not None else None,
@@ -119,6 +120,8 @@ def _gemv(m: CPULinear, rows: torch.Tensor) -> torch.Tensor:
         m.in_features,
         torch.get_num_threads(),
     )
+    if failed:
+        raise MemoryError(f"gemv: no memory for a row of {m.in_features}")
     return out
 
 
@@ -149,8 +152,10 @@ def gemv_library() -> tuple[ctypes.CDLL | None, str]:
     if len(runtimes) != 1:
         # Two runtimes' thread pools spin against each other on the same cores.
         return None, f"it would not share torch's OpenMP runtime (loaded: {sorted(runtimes)})"
-    lib.epd_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int]
+    for function in (lib.epd_gemv, lib.epd_gemv_bf16):
+        function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int]
     lib.epd_gemv.restype = None
+    lib.epd_gemv_bf16.restype = ctypes.c_int
     return lib, ""
 
 
@@ -189,12 +194,15 @@ def _openmp_runtimes() -> set[str]:
     return paths
 
 
-def unavailable(name: str) -> str:
-    """Why the kernels `name` says cannot run here ("" when they can)."""
-    return "; ".join(why for why in map(_unavailable, dict.fromkeys(kernel_pair(name))) if why)
+def unavailable(name: str, dtype: torch.dtype = torch.float32) -> str:
+    """Why the kernels `name` says cannot run here on `dtype` layers ("" when they can)."""
+    reasons = (_unavailable(kernel, dtype) for kernel in dict.fromkeys(kernel_pair(name)))
+    return "; ".join(why for why in reasons if why)
 
 
-def _unavailable(kernel: Kernel) -> str:
+def _unavailable(kernel: Kernel, dtype: torch.dtype) -> str:
+    if dtype != torch.float32 and kernel in ("onednn", "mkl"):
+        return f"{kernel} is offered for float32 layers only, these are {dtype}"
     if kernel == "onednn" and not (
         torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     ):
@@ -209,32 +217,44 @@ def _unavailable(kernel: Kernel) -> str:
 
 
 def linear_layers(model: nn.Module) -> list[nn.Linear]:
-    """The model's CPU fp32 linear layers, in module (forward) order."""
+    """The model's CPU linear layers in float32 or bfloat16, in module (forward) order."""
     return [
         m
         for m in model.modules()
         if type(m) in (nn.Linear, CPULinear)
         and m.weight is not None
         and m.weight.device.type == "cpu"
-        and m.weight.dtype == torch.float32
+        and m.weight.dtype in (torch.float32, torch.bfloat16)
         and m.weight.is_contiguous()  # our gemv reads rows in place
     ]
 
 
+def why_not(model: nn.Module, name: str) -> str:
+    """Why the kernels `name` says cannot run on this model's layers here ("" when they can)."""
+    return unavailable(name, _dtype(linear_layers(model)))
+
+
+def _dtype(layers: list[nn.Linear]) -> torch.dtype:
+    """The layers' dtype: bfloat16 if any is (the kernels offered to all of them)."""
+    bf16 = any(m.weight.dtype == torch.bfloat16 for m in layers)
+    return torch.bfloat16 if bf16 else torch.float32
+
+
 def use_kernel(model: nn.Module, name: str, keep_dense: bool = False) -> int:
-    """Switch the model's CPU fp32 linear layers to the kernels `name` says (see kernel_pair);
-    returns how many (0: a kernel of it cannot run here, `unavailable` says why). With
-    `keep_dense`, every layer keeps its dense weight (so the choice can be undone)."""
+    """Switch the model's CPU linear layers (float32, bfloat16) to the kernels `name` says (see
+    kernel_pair); returns how many (0: a kernel of it cannot run here, `unavailable` says why).
+    With `keep_dense`, every layer keeps its dense weight (so the choice can be undone)."""
     row, batch = kernel_pair(name)
-    if unavailable(name):
+    layers = linear_layers(model)
+    if unavailable(name, _dtype(layers)):
         return 0
     if "onednn" in (row, batch):
         _OPS["onednn"] = torch.ops.mkldnn._linear_pointwise.default
     if row == "mkl":
         _OPS["mkl"] = torch.ops.mkl._mkl_linear.default
     if row == "gemv":
-        _OPS["gemv"] = gemv_library()[0].epd_gemv
-    layers = linear_layers(model)
+        lib = gemv_library()[0]
+        _OPS["gemv"], _OPS["gemv_bf16"] = lib.epd_gemv, lib.epd_gemv_bf16
     for module in layers:
         module.__class__ = CPULinear
         module.row, module.batch = row, batch
@@ -261,7 +281,8 @@ def _drop_unshared_dense_weights(model: nn.Module) -> None:
 
 def _time_chain(layers: list[nn.Linear], rows: int, repeats: int = 3) -> float:
     """Best seconds of one pass over every layer at `rows` rows (weights stream from memory)."""
-    inputs = {m.in_features: torch.randn(rows, m.in_features) for m in layers}
+    dtype = _dtype(layers)
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in layers}
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats):
@@ -273,14 +294,16 @@ def _time_chain(layers: list[nn.Linear], rows: int, repeats: int = 3) -> float:
 
 
 def _same_numbers(layers: list[nn.Linear]) -> bool:
-    """The layers' kernels give F.linear's outputs (to fp32 accumulation-order noise), at one row
-    and at several."""
+    """The layers' kernels give F.linear's outputs (to accumulation-order noise: in bf16 a unit
+    of the last place), at one row and at several."""
     with torch.inference_mode():
         for m in layers:
+            bf16 = m.weight.dtype == torch.bfloat16
+            rtol, atol = (1.6e-2, 1e-3) if bf16 else (1e-4, 1e-5)
             for rows in (1, 3):
-                x = torch.randn(rows, m.in_features)
-                want = F.linear(x, m.weight, m.bias)
-                if not torch.allclose(m(x), want, rtol=1e-4, atol=1e-5):
+                x = torch.randn(rows, m.in_features, dtype=m.weight.dtype)
+                want = F.linear(x, m.weight, m.bias).float()
+                if not torch.allclose(m(x).float(), want, rtol=rtol, atol=atol):
                     return False
     return True
 
@@ -308,7 +331,8 @@ def choose_linear_kernel(
         for kernel in list(usable):
             if use_kernel(model, kernel, keep_dense=True) == 0:
                 usable.remove(kernel)
-                logger.info("the %s linear kernel cannot run here: %s", kernel, unavailable(kernel))
+                why = why_not(model, kernel)
+                logger.info("the %s linear kernel cannot run here: %s", kernel, why)
                 continue
             if kernel != "linear" and not _same_numbers(layers):
                 logger.warning(
@@ -336,7 +360,9 @@ def choose_linear_kernel(
 
 
 def _cache_key(layers: list[nn.Linear], batch_rows: int) -> str:
-    shapes = Counter((m.in_features, m.out_features, m.bias is not None) for m in layers)
+    shapes = Counter(
+        (m.in_features, m.out_features, m.bias is not None, str(m.weight.dtype)) for m in layers
+    )
     machine = [
         platform.machine(),
         _cpu_model(),

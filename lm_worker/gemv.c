@@ -1,4 +1,5 @@
-/* One-row matrix products for CPU decode: y = W x (+ b), W row-major [n, k], fp32.
+/* One-row matrix products for CPU decode: y = W x (+ b), W row-major [n, k], in fp32 or bf16
+(bf16: the weight is widened to fp32 as it is read, sums in fp32, the result rounded to bf16).
 
 A decode step of one sequence is a chain of such products, and its speed is how fast the
 weights stream from memory. Each thread takes a contiguous run of rows and reads each row
@@ -9,14 +10,40 @@ the machine's compiler (-O3 -march=native -fopenmp) and kept only where it is me
 faster than torch's kernels; OpenMP here is the runtime torch already loaded, so its threads
 are torch's threads. */
 
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float vec __attribute__((vector_size(64))); /* 16 floats; split where vectors are narrower */
+typedef uint16_t bf16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 static inline vec load(const float *p) {
     vec v;
     memcpy(&v, p, sizeof v); /* an unaligned load */
     return v;
+}
+
+static inline vec load_bf16(const uint16_t *p) { /* bf16 is the top half of an fp32 */
+    bf16x16 h;
+    memcpy(&h, p, sizeof h);
+    u32x16 wide = __builtin_convertvector(h, u32x16) << 16;
+    vec v;
+    memcpy(&v, &wide, sizeof v);
+    return v;
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest, ties to even (no NaN inputs) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
 static inline float dot(const float *w, const float *x, long k) {
@@ -40,4 +67,35 @@ void epd_gemv(const float *w, const float *x, const float *b, float *y, long n, 
               int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long r = 0; r < n; r++) y[r] = dot(w + r * k, x, k) + (b ? b[r] : 0.0f);
+}
+
+static inline float dot_bf16(const uint16_t *w, const float *x, long k) {
+    vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    long i = 0;
+    for (; i + 64 <= k; i += 64) {
+        a0 += load_bf16(w + i) * load(x + i);
+        a1 += load_bf16(w + i + 16) * load(x + i + 16);
+        a2 += load_bf16(w + i + 32) * load(x + i + 32);
+        a3 += load_bf16(w + i + 48) * load(x + i + 48);
+    }
+    vec s = (a0 + a1) + (a2 + a3);
+    for (int half = 8; half > 0; half /= 2)
+        for (int j = 0; j < half; j++) s[j] += s[j + half];
+    float acc = s[0];
+    for (; i < k; i++) acc += from_bf16(w[i]) * x[i];
+    return acc;
+}
+
+/* x, b and y in bf16 too; x is widened once, before the threads start. 0, or -1 when there
+   is no memory for it. */
+int epd_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint16_t *y, long n,
+                  long k, int threads) {
+    float *xf = malloc(k * sizeof *xf);
+    if (!xf) return -1;
+    for (long i = 0; i < k; i++) xf[i] = from_bf16(x[i]);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long r = 0; r < n; r++)
+        y[r] = to_bf16(dot_bf16(w + r * k, xf, k) + (b ? from_bf16(b[r]) : 0.0f));
+    free(xf);
+    return 0;
 }

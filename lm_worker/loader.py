@@ -14,7 +14,7 @@ from connector.kv import KVStore
 from connector.kv_stream import KVInbox, KVSender
 from lm_worker.attention import PagedAttention
 from lm_worker.block_manager import BlockManager
-from lm_worker.cpu_kernels import choose_linear_kernel, linear_layers, unavailable, use_kernel
+from lm_worker.cpu_kernels import choose_linear_kernel, linear_layers, use_kernel, why_not
 from lm_worker.engine import Emit, LMEngine
 from lm_worker.kv_connector import SharedKVConnector
 from lm_worker.model_runner import ModelRunner
@@ -144,7 +144,7 @@ def _choose_cpu_kernel(lm: LMConfig, model: torch.nn.Module) -> str:
     if lm.cpu_linear != "auto":
         if use_kernel(model, lm.cpu_linear) == 0 and linear_layers(model):
             raise RuntimeError(
-                f"lm.cpu_linear: {lm.cpu_linear} cannot run here: {unavailable(lm.cpu_linear)}"
+                f"lm.cpu_linear: {lm.cpu_linear} cannot run here: {why_not(model, lm.cpu_linear)}"
             )
         return lm.cpu_linear
     kernel, timings = choose_linear_kernel(model, min(lm.max_num_seqs, 32), cache_dir())

@@ -108,16 +108,18 @@ def test_workers_writing_the_cache_at_once_all_start(tmp_path):
 
 
 @needs_gemv
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     ("n", "k", "bias"), [(1, 1, True), (7, 63, True), (33, 64, False), (130, 200, True)]
 )
-def test_gemv_gives_f_linear_s_numbers(n, k, bias, threads):
+def test_gemv_gives_f_linear_s_numbers(n, k, bias, threads, dtype):
     """Every row, whatever the length (the vector loop and its tail), with and without bias,
-    on one thread and on two; a [..., k] input keeps its leading shape."""
+    on one thread and on two, in fp32 and bf16 (to a unit of bf16's last place); a [..., k]
+    input keeps its leading shape."""
     torch.manual_seed(n * k)
-    layer = nn.Linear(k, n, bias=bias)
-    x = torch.randn(1, 1, k)
+    layer = nn.Linear(k, n, bias=bias, dtype=dtype)
+    x = torch.randn(1, 1, k, dtype=dtype)
     with torch.inference_mode():
         want = layer(x)
         assert use_kernel(layer, "gemv") == 1
@@ -127,8 +129,12 @@ def test_gemv_gives_f_linear_s_numbers(n, k, bias, threads):
             got = layer(x)
         finally:
             torch.set_num_threads(before)
-    assert got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got.shape == want.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:  # fp32 sums in another order, each rounded once: at most one unit apart
+        assert ((got.float() - want.float()).abs() <= want.float().abs() / 128 + 1e-6).all()
+        assert (got == want).float().mean() > 0.9
 
 
 @needs_gemv
@@ -143,6 +149,20 @@ def test_gemv_reads_the_dense_weight_and_batches_run_the_batch_kernel():
         assert all(m.weight is not None and m.packed_weight is not None for m in model)
         torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(model(one), want_one, rtol=1e-4, atol=1e-5)
+
+
+@needs_gemv
+def test_bf16_layers_choose_among_the_kernels_that_take_them(tmp_path):
+    model = mlp().to(torch.bfloat16)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = model(x)
+    assert use_kernel(model, "onednn") == 0  # oneDNN and MKL are offered float32 layers only
+    assert "float32 layers only" in cpu_kernels.why_not(model, "gemv+onednn")
+    kernel, timings = choose_linear_kernel(model, batch_rows=8, cache_dir=tmp_path)
+    assert kernel in ("linear", "gemv") and {"linear@1", "gemv@1", "linear@8"} == set(timings)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), want)  # bf16's own tolerance
 
 
 @pytest.mark.parametrize(
