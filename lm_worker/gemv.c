@@ -46,44 +46,37 @@ static inline uint16_t to_bf16(float f) { /* round to nearest, ties to even (no 
     return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-static inline float dot(const float *w, const float *x, long k) {
+/* 16 weights from row w at i: fp32, or bf16 widened. `bf16` is a constant at each call site,
+   so the compiler keeps one branch. */
+static inline vec load_w(const void *w, long i, int bf16) {
+    return bf16 ? load_bf16((const uint16_t *)w + i) : load((const float *)w + i);
+}
+
+static inline float weight(const void *w, long i, int bf16) {
+    return bf16 ? from_bf16(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+static inline float dot(const void *w, const float *x, long k, int bf16) {
     vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     long i = 0;
     for (; i + 64 <= k; i += 64) {
-        a0 += load(w + i) * load(x + i);
-        a1 += load(w + i + 16) * load(x + i + 16);
-        a2 += load(w + i + 32) * load(x + i + 32);
-        a3 += load(w + i + 48) * load(x + i + 48);
+        a0 += load_w(w, i, bf16) * load(x + i);
+        a1 += load_w(w, i + 16, bf16) * load(x + i + 16);
+        a2 += load_w(w, i + 32, bf16) * load(x + i + 32);
+        a3 += load_w(w, i + 48, bf16) * load(x + i + 48);
     }
     vec s = (a0 + a1) + (a2 + a3);
     for (int half = 8; half > 0; half /= 2) /* a tree: 4 dependent adds, not 16 */
         for (int j = 0; j < half; j++) s[j] += s[j + half];
     float acc = s[0];
-    for (; i < k; i++) acc += w[i] * x[i];
+    for (; i < k; i++) acc += weight(w, i, bf16) * x[i];
     return acc;
 }
 
 void epd_gemv(const float *w, const float *x, const float *b, float *y, long n, long k,
               int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long r = 0; r < n; r++) y[r] = dot(w + r * k, x, k) + (b ? b[r] : 0.0f);
-}
-
-static inline float dot_bf16(const uint16_t *w, const float *x, long k) {
-    vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    long i = 0;
-    for (; i + 64 <= k; i += 64) {
-        a0 += load_bf16(w + i) * load(x + i);
-        a1 += load_bf16(w + i + 16) * load(x + i + 16);
-        a2 += load_bf16(w + i + 32) * load(x + i + 32);
-        a3 += load_bf16(w + i + 48) * load(x + i + 48);
-    }
-    vec s = (a0 + a1) + (a2 + a3);
-    for (int half = 8; half > 0; half /= 2)
-        for (int j = 0; j < half; j++) s[j] += s[j + half];
-    float acc = s[0];
-    for (; i < k; i++) acc += from_bf16(w[i]) * x[i];
-    return acc;
+    for (long r = 0; r < n; r++) y[r] = dot(w + r * k, x, k, 0) + (b ? b[r] : 0.0f);
 }
 
 /* x, b and y in bf16 too; x is widened once, before the threads start. 0, or -1 when there
@@ -95,7 +88,7 @@ int epd_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
     for (long i = 0; i < k; i++) xf[i] = from_bf16(x[i]);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long r = 0; r < n; r++)
-        y[r] = to_bf16(dot_bf16(w + r * k, xf, k) + (b ? from_bf16(b[r]) : 0.0f));
+        y[r] = to_bf16(dot(w + r * k, xf, k, 1) + (b ? from_bf16(b[r]) : 0.0f));
     free(xf);
     return 0;
 }
