@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -109,19 +110,26 @@ def _mkl(m: CPULinear, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _gemv(m: CPULinear, rows: torch.Tensor) -> torch.Tensor:
-    out = rows.new_empty(1, m.out_features)
-    bf16 = m.weight.dtype == torch.bfloat16
+    return gemv(m.weight, rows, m.bias)
+
+
+def gemv(weight: torch.Tensor, row: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """row [1, k] @ weight [n, k].T (+ bias) by our kernel, fp32 or bf16, all contiguous and of
+    one dtype ([1, n]). gemv_library() must have loaded it."""
+    n, k = weight.shape
+    out = row.new_empty(1, n)
+    bf16 = weight.dtype == torch.bfloat16
     failed = _OPS["gemv_bf16" if bf16 else "gemv"](
-        m.weight.data_ptr(),
-        rows.data_ptr(),
-        m.bias.data_ptr() if m.bias is not None else None,
+        weight.data_ptr(),
+        row.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
         out.data_ptr(),
-        m.out_features,
-        m.in_features,
+        n,
+        k,
         torch.get_num_threads(),
     )
     if failed:
-        raise MemoryError(f"gemv: no memory for a row of {m.in_features}")
+        raise MemoryError(f"gemv: no memory for a row of {k}")
     return out
 
 
@@ -156,6 +164,7 @@ def gemv_library() -> tuple[ctypes.CDLL | None, str]:
         function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int]
     lib.epd_gemv.restype = None
     lib.epd_gemv_bf16.restype = ctypes.c_int
+    _OPS["gemv"], _OPS["gemv_bf16"] = lib.epd_gemv, lib.epd_gemv_bf16
     return lib, ""
 
 
@@ -165,21 +174,17 @@ def _built_gemv(compiler: str) -> Path:
     recipe.append(_cpu_model().encode())  # -march=native builds for this CPU
     key = hashlib.sha256(b"\0".join(recipe)).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"gemv-{key}.so"
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".gemv-", suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
+
+    def build(tmp: str) -> None:
         command = [compiler, *GEMV_FLAGS, str(GEMV_SOURCE), "-o", tmp]
         built = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if built.returncode != 0:
             raise subprocess.SubprocessError(
                 f"{' '.join(command)} failed: {built.stderr.strip()[-800:]}"
             )
-        os.replace(tmp, path)  # workers building at once: each renames its own file
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+
+    if not path.exists():
+        _place(path, build)
     return path
 
 
@@ -248,18 +253,15 @@ def use_kernel(model: nn.Module, name: str, keep_dense: bool = False) -> int:
     layers = linear_layers(model)
     if unavailable(name, _dtype(layers)):
         return 0
-    if "onednn" in (row, batch):
+    if "onednn" in (row, batch):  # (gemv's functions: set by gemv_library, which loads them)
         _OPS["onednn"] = torch.ops.mkldnn._linear_pointwise.default
     if row == "mkl":
         _OPS["mkl"] = torch.ops.mkl._mkl_linear.default
-    if row == "gemv":
-        lib = gemv_library()[0]
-        _OPS["gemv"], _OPS["gemv_bf16"] = lib.epd_gemv, lib.epd_gemv_bf16
+    onednn = "onednn" in (row, batch)
     for module in layers:
         module.__class__ = CPULinear
         module.row, module.batch = row, batch
         weight = module.weight.detach()
-        onednn = "onednn" in (row, batch)
         module.packed_weight = weight.to_mkldnn() if onednn else None
         module.mkl_weight = (
             torch.ops.mkl._mkl_reorder_linear_weight(weight, 1) if row == "mkl" else None
@@ -331,7 +333,7 @@ def choose_linear_kernel(
         for kernel in list(usable):
             if use_kernel(model, kernel, keep_dense=True) == 0:
                 usable.remove(kernel)
-                why = why_not(model, kernel)
+                why = unavailable(kernel, _dtype(layers))
                 logger.info("the %s linear kernel cannot run here: %s", kernel, why)
                 continue
             if kernel != "linear" and not _same_numbers(layers):
@@ -400,15 +402,21 @@ def _write_cache(path: Path, data: dict) -> None:
     """Write the cache whole, through a temporary file of this writer's own: workers starting
     together on one host (prefill and decode, or several LM workers) each rename theirs into
     place, the last one wins, and a choice lost that way only costs a measurement later."""
+    _place(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1, sort_keys=True)))
+
+
+def _place(path: Path, write: Callable[[str], None]) -> None:
+    """Make `path` by `write(a temporary path)` in its directory, then rename that into place:
+    writers at once (workers starting together on one host) each rename a file of their own,
+    so none fails and none reads a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, indent=1, sort_keys=True))
+        write(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    finally:
         Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -165,48 +165,46 @@ def test_bf16_layers_choose_among_the_kernels_that_take_them(tmp_path):
         torch.testing.assert_close(model(x), want)  # bf16's own tolerance
 
 
+@pytest.fixture
+def gemv_env(monkeypatch):
+    """monkeypatch, for the environment the kernel is built in (CC, EPD_CACHE_DIR): the kernel
+    is looked for afresh in the test, and again in the real environment after it."""
+    cpu_kernels.gemv_library.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    cpu_kernels.gemv_library.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("compiler", "reason"),
     [("no-such-compiler-here", "no C compiler"), ("false", "failed")],
 )
-def test_gemv_that_cannot_be_built_says_why_and_is_not_chosen(
-    monkeypatch, tmp_path, compiler, reason
-):
-    monkeypatch.setenv("CC", compiler)
-    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path / "cache"))
-    cpu_kernels.gemv_library.cache_clear()
-    try:
-        assert reason in unavailable("gemv+onednn")
-        model = mlp()
-        assert use_kernel(model, "gemv") == 0
-        assert all(type(m) is nn.Linear for m in model)  # untouched
-        kernel, timings = choose_linear_kernel(model, batch_rows=4, cache_dir=tmp_path)
-        assert "gemv" not in kernel and "gemv@1" not in timings
-        # Asked for by name, it is an error at start-up, not a quiet F.linear.
-        with pytest.raises(RuntimeError, match=f"lm.cpu_linear: gemv cannot run here: .*{reason}"):
-            from lm_worker.loader import _choose_cpu_kernel
+def test_gemv_that_cannot_be_built_says_why_and_is_not_chosen(gemv_env, tmp_path, compiler, reason):
+    gemv_env.setenv("CC", compiler)
+    gemv_env.setenv("EPD_CACHE_DIR", str(tmp_path / "cache"))
+    assert reason in unavailable("gemv+onednn")
+    model = mlp()
+    assert use_kernel(model, "gemv") == 0
+    assert all(type(m) is nn.Linear for m in model)  # untouched
+    kernel, timings = choose_linear_kernel(model, batch_rows=4, cache_dir=tmp_path)
+    assert "gemv" not in kernel and "gemv@1" not in timings
+    # Asked for by name, it is an error at start-up, not a quiet F.linear.
+    with pytest.raises(RuntimeError, match=f"lm.cpu_linear: gemv cannot run here: .*{reason}"):
+        from lm_worker.loader import _choose_cpu_kernel
 
-            _choose_cpu_kernel(LMConfig(cpu_linear="gemv"), mlp())
-    finally:
-        monkeypatch.undo()
-        cpu_kernels.gemv_library.cache_clear()
+        _choose_cpu_kernel(LMConfig(cpu_linear="gemv"), mlp())
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc)")
-def test_gemv_with_a_cache_it_cannot_write_says_why(monkeypatch, tmp_path):
+def test_gemv_with_a_cache_it_cannot_write_says_why(gemv_env, tmp_path):
     """A read-only or odd cache directory costs the kernel, not the worker's start-up."""
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache directory should be")
-    monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setenv("EPD_CACHE_DIR", str(blocker))
-    cpu_kernels.gemv_library.cache_clear()
-    try:
-        assert "cache" in unavailable("gemv")  # the OSError names the path
-        kernel, _ = choose_linear_kernel(mlp(), batch_rows=4)
-        assert "gemv" not in kernel
-    finally:
-        monkeypatch.undo()
-        cpu_kernels.gemv_library.cache_clear()
+    gemv_env.delenv("CC", raising=False)
+    gemv_env.setenv("EPD_CACHE_DIR", str(blocker))
+    assert "cache" in unavailable("gemv")  # the OSError names the path
+    kernel, _ = choose_linear_kernel(mlp(), batch_rows=4)
+    assert "gemv" not in kernel
 
 
 def test_every_pair_of_kernels_has_one_name_and_back():

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from common.config import LMConfig
 from common.served_model import ensure_bench_model
-from lm_worker.cpu_kernels import gemv_library, unavailable, weight_bytes
+from lm_worker.cpu_kernels import gemv, unavailable, weight_bytes
 from lm_worker.engine import LMEngine
 from lm_worker.loader import build_engine
 from lm_worker.request import Request
@@ -123,11 +123,7 @@ def read_bandwidth(device: str, nbytes: int = 256 * 2**20) -> dict[str, float]:
     row = torch.ones(1, 4096, device=device)
     probes = {"sum": data.sum, "gemv": lambda: F.linear(row, matrix)}
     if device == "cpu" and not unavailable("gemv"):
-        gemv, out = gemv_library()[0].epd_gemv, torch.empty(rows)
-        threads = torch.get_num_threads()
-        probes["gemv_ours"] = lambda: gemv(
-            matrix.data_ptr(), row.data_ptr(), None, out.data_ptr(), rows, 4096, threads
-        )
+        probes["gemv_ours"] = lambda: gemv(matrix, row)
     best = dict.fromkeys(probes, float("inf"))
     with torch.inference_mode():
         for _ in range(5):
