@@ -470,7 +470,7 @@ class LMConfig:
     # The CPU's linear kernels: auto (timed at start-up over the model's own layers, the fastest
     # that matches F.linear at one row and at a decode batch, each; cached per CPU and model
     # shape), or ROW+BATCH: the one-row kernel, linear (torch's F.linear), onednn (oneDNN on
-    # weights packed once), mkl (MKL's packed sgemm) or gemv (ours, lm_worker/gemv.c, built
+    # weights packed once), mkl (MKL's packed sgemm) or gemv (ours, lm_worker/cpu_decode.c, built
     # with the machine's C compiler on first use), and the batch kernel, linear or onednn; a
     # name alone is that kernel for both where it runs batches (mkl, gemv: F.linear for them).
     # bf16 layers take linear and gemv only.

@@ -13,7 +13,7 @@ The one-row kernel (a decode step of one sequence) and the batch kernel (a decod
 prefill) are chosen apart: a kernel that streams one row of products at memory speed is not
 the one that runs 32 rows fastest. Candidates for one row: `linear` (torch's F.linear on the
 dense weights), `onednn` (mkldnn_linear on weights packed once), `mkl` (MKL's packed sgemm for
-one row, on weights packed once for it) and `gemv` (our own kernel, lm_worker/gemv.c, built
+one row, on weights packed once for it) and `gemv` (our own kernel, lm_worker/cpu_decode.c, built
 here with the machine's C compiler on first use); for batches `linear` and `onednn`. A choice
 is named "gemv+onednn" (one row + batch), or by one name where both are the same. All run on
 torch's own thread pool.
@@ -115,7 +115,7 @@ def _gemv(m: CPULinear, rows: torch.Tensor) -> torch.Tensor:
 
 def gemv(weight: torch.Tensor, row: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """row [1, k] @ weight [n, k].T (+ bias) by our kernel, fp32 or bf16, all contiguous and of
-    one dtype ([1, n]). gemv_library() must have loaded it."""
+    one dtype ([1, n]). c_library() must have loaded it."""
     n, k = weight.shape
     out = row.new_empty(1, n)
     bf16 = weight.dtype == torch.bfloat16
@@ -135,13 +135,13 @@ def gemv(weight: torch.Tensor, row: torch.Tensor, bias: torch.Tensor | None = No
 
 _PRODUCTS = {"linear": _linear, "onednn": _onednn, "mkl": _mkl, "gemv": _gemv}
 
-GEMV_SOURCE = Path(__file__).with_name("gemv.c")
-GEMV_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+C_SOURCE = Path(__file__).with_name("cpu_decode.c")
+C_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 
 @functools.cache
-def gemv_library() -> tuple[ctypes.CDLL | None, str]:
-    """Our one-row kernel (gemv.c), built once per machine and compiler into the cache
+def c_library() -> tuple[ctypes.CDLL | None, str]:
+    """Our one-row kernel (cpu_decode.c), built once per machine and compiler into the cache
     directory and loaded; or None and why not (no C compiler, a failed build, a torch not on
     OpenMP, or an OpenMP runtime other than torch's)."""
     if sys.platform != "linux":
@@ -152,7 +152,7 @@ def gemv_library() -> tuple[ctypes.CDLL | None, str]:
     if compiler is None:
         return None, "no C compiler (cc, or $CC)"
     try:
-        lib = ctypes.CDLL(str(_built_gemv(compiler)))
+        lib = ctypes.CDLL(str(_built_library(compiler)))
     except (OSError, subprocess.SubprocessError) as e:  # a failed build, a noexec cache, ...
         logger.warning("our gemv kernel cannot run: %s", e)
         return None, str(e)
@@ -168,15 +168,15 @@ def gemv_library() -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
-def _built_gemv(compiler: str) -> Path:
-    """gemv.c built for this CPU by `compiler` (once: kept in the cache directory)."""
-    recipe = [GEMV_SOURCE.read_bytes(), " ".join(GEMV_FLAGS).encode(), compiler.encode()]
+def _built_library(compiler: str) -> Path:
+    """cpu_decode.c built for this CPU by `compiler` (once: kept in the cache directory)."""
+    recipe = [C_SOURCE.read_bytes(), " ".join(C_FLAGS).encode(), compiler.encode()]
     recipe.append(_cpu_model().encode())  # -march=native builds for this CPU
     key = hashlib.sha256(b"\0".join(recipe)).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"gemv-{key}.so"
+    path = cache_dir() / "kernels" / f"cpu-decode-{key}.so"
 
     def build(tmp: str) -> None:
-        command = [compiler, *GEMV_FLAGS, str(GEMV_SOURCE), "-o", tmp]
+        command = [compiler, *C_FLAGS, str(C_SOURCE), "-o", tmp]
         built = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if built.returncode != 0:
             raise subprocess.SubprocessError(
@@ -217,7 +217,7 @@ def _unavailable(kernel: Kernel, dtype: torch.dtype) -> str:
     ):
         return "MKL's linear op is not built into this torch"
     if kernel == "gemv":
-        return gemv_library()[1]
+        return c_library()[1]
     return ""
 
 
@@ -253,7 +253,7 @@ def use_kernel(model: nn.Module, name: str, keep_dense: bool = False) -> int:
     layers = linear_layers(model)
     if unavailable(name, _dtype(layers)):
         return 0
-    if "onednn" in (row, batch):  # (gemv's functions: set by gemv_library, which loads them)
+    if "onednn" in (row, batch):  # (gemv's functions: set by c_library, which loads them)
         _OPS["onednn"] = torch.ops.mkldnn._linear_pointwise.default
     if row == "mkl":
         _OPS["mkl"] = torch.ops.mkl._mkl_linear.default

@@ -1,5 +1,5 @@
 """The CPU linear kernels chosen by measurement: whichever win, the numbers stay F.linear's, and
-the choice is cached per machine and model shape. Our own one-row kernel (lm_worker/gemv.c) is
+the choice is cached per machine and model shape. Our own one-row kernel (lm_worker/cpu_decode.c) is
 built with the machine's C compiler, held against F.linear here, and refused with a reason
 where it cannot be built."""
 
@@ -169,10 +169,10 @@ def test_bf16_layers_choose_among_the_kernels_that_take_them(tmp_path):
 def gemv_env(monkeypatch):
     """monkeypatch, for the environment the kernel is built in (CC, EPD_CACHE_DIR): the kernel
     is looked for afresh in the test, and again in the real environment after it."""
-    cpu_kernels.gemv_library.cache_clear()
+    cpu_kernels.c_library.cache_clear()
     yield monkeypatch
     monkeypatch.undo()
-    cpu_kernels.gemv_library.cache_clear()
+    cpu_kernels.c_library.cache_clear()
 
 
 @pytest.mark.parametrize(

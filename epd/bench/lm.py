@@ -113,7 +113,7 @@ def read_bandwidth(device: str, nbytes: int = 256 * 2**20) -> dict[str, float]:
     """Bytes per second *reading* memory (what a decode step does with its weights), best of 5:
     a streaming reduction over `nbytes` (at least 256 MiB), and a GEMV (one row) over an fp32
     matrix of that size, torch's and, on a CPU where it runs, ours (`gemv_ours`,
-    lm_worker/gemv.c). The roofline divides by the largest. The bench passes the weight bytes
+    lm_worker/cpu_decode.c). The roofline divides by the largest. The bench passes the weight bytes
     of a step: a buffer that fits the last-level cache (300 MiB on some hosts) would be read
     from it, faster than a step's weights stream. (A tensor copy reads and writes: it is no
     read rate.)"""
