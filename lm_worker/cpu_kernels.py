@@ -141,7 +141,8 @@ C_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 @functools.cache
 def c_library() -> tuple[ctypes.CDLL | None, str]:
-    """Our one-row kernel (cpu_decode.c), built once per machine and compiler into the cache
+    """Our C kernels (cpu_decode.c: the one-row products, and lm_worker/cpu_decode.py's
+    decoder layers), built once per machine and compiler into the cache
     directory and loaded; or None and why not (no C compiler, a failed build, a torch not on
     OpenMP, or an OpenMP runtime other than torch's)."""
     if sys.platform != "linux":
@@ -164,6 +165,9 @@ def c_library() -> tuple[ctypes.CDLL | None, str]:
         function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int]
     lib.epd_gemv.restype = None
     lib.epd_gemv_bf16.restype = ctypes.c_int
+    lib.epd_decode_layers.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_void_p]
+    lib.epd_decode_layers.argtypes += [ctypes.c_int]
+    lib.epd_decode_layers.restype = ctypes.c_int
     _OPS["gemv"], _OPS["gemv_bf16"] = lib.epd_gemv, lib.epd_gemv_bf16
     return lib, ""
 

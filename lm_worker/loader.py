@@ -14,6 +14,7 @@ from connector.kv import KVStore
 from connector.kv_stream import KVInbox, KVSender
 from lm_worker.attention import PagedAttention
 from lm_worker.block_manager import BlockManager
+from lm_worker.cpu_decode import FusedDecode, choose_fused_decode, why_not_fused
 from lm_worker.cpu_kernels import choose_linear_kernel, linear_layers, use_kernel, why_not
 from lm_worker.engine import Emit, LMEngine
 from lm_worker.kv_connector import SharedKVConnector
@@ -84,6 +85,8 @@ def build_engine(
         pad_decodes=pad_decodes,
     )
     runner.dummy_run(1)  # warm-up: kernels and allocator settle before the first request
+    if device.type == "cpu":
+        _choose_fused_decode(lm, runner)
     blocks = BlockManager(num_blocks, lm.block_size, lm.enable_prefix_caching)
     scheduler = Scheduler(blocks, lm.max_num_seqs, lm.max_num_batched_tokens)
     kv = None
@@ -150,6 +153,24 @@ def _choose_cpu_kernel(lm: LMConfig, model: torch.nn.Module) -> str:
     kernel, timings = choose_linear_kernel(model, min(lm.max_num_seqs, 32), cache_dir())
     logger.info("CPU linear kernel: %s (ms per pass over the layers: %s)", kernel, timings)
     return kernel
+
+
+def _choose_fused_decode(lm: LMConfig, runner: ModelRunner) -> None:
+    """`lm.cpu_fused_decode`: the decoder layers of one sequence's decode step in one C call
+    (lm_worker/cpu_decode.py) where it runs (on) or where it is measured faster (auto)."""
+    model, attention = runner.model, runner.attention
+    if lm.cpu_fused_decode == "off":
+        return
+    if lm.cpu_fused_decode == "on":
+        why = why_not_fused(model, attention)
+        if why:
+            raise RuntimeError(f"lm.cpu_fused_decode is on but cannot run here: {why}")
+        model.fused_decode = FusedDecode(model, attention)
+        return
+    fused, measured = choose_fused_decode(model, attention, lambda: runner.dummy_run(1))
+    logger.info(
+        "decode of one sequence: %s (%s)", "fused C layers" if fused else "torch modules", measured
+    )
 
 
 def _num_kv_blocks(

@@ -81,6 +81,7 @@ def test_bench_lm(tiny_checkpoint):
     assert summary["batch1_ours_tps"] > 0 and summary["batch1_hf_tps"] > 0
     assert summary["roofline_tps"] > 0 and summary["streams_vs_hf_batch"] > 0
     assert summary["linear_kernel"] in KERNELS
+    assert isinstance(summary["fused_decode"], bool)
     assert {"sum", "gemv"} <= set(summary["read_bandwidth_gbps"]) <= {"sum", "gemv", "gemv_ours"}
     assert summary["hf_batch1_vs_roofline"] > 0
     assert summary["dtype"] == "float32"

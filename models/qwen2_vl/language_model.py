@@ -7,6 +7,7 @@ which owns the KV cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,10 @@ class Qwen2LanguageModel(nn.Module):
     requires_raw_input_tokens = False
     supports_realtime = False
     supports_multimodal_pruning = True  # EVS: the model state strips position channels
+    # Every layer of a decode step of one sequence in one call (the LM worker sets it on a CPU:
+    # lm_worker/cpu_decode.py): (x, cos, sin, attn_metadata) -> the layers' output, or None
+    # for a step it does not take.
+    fused_decode: Callable[..., torch.Tensor | None] | None = None
 
     def __init__(self, config: TextConfig, attn_backend: AttentionBackend):
         super().__init__()
@@ -172,6 +177,10 @@ class Qwen2LanguageModel(nn.Module):
         assert intermediate_tensors is None, "pipeline parallelism is not supported"
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = rotary_tables(*self.rotary(positions, x.dtype))
+        if self.fused_decode is not None:
+            fused = self.fused_decode(x, cos, sin, attn_metadata)
+            if fused is not None:
+                return self.norm(fused)
         for layer in self.layers:
             x = layer(x, cos, sin, attn_metadata)
         return self.norm(x)

@@ -1,0 +1,178 @@
+"""A decode step of one sequence through every decoder layer in one C call (cpu_decode.c).
+
+On a CPU a batch-1 decode step is bound by streaming the weights, and our gemv streams them at
+about a sum's rate; what is left is dispatch: each layer is some 30 torch operators (norms,
+rotary, the KV write, attention, SiLU, residual adds) of a few microseconds each, about a
+quarter of a step of the bench's model. `FusedDecode` runs the same operations in C, on the
+model's own weights and the engine's paged KV cache, for the steps that are one sequence's
+one new token; every other step (prefill, decode batches) runs the torch modules as before.
+
+It serves Qwen2's decoder (both VL families) in float32 with merged projections, and is kept
+only where it is measured faster than the modules at start-up (`choose_fused_decode`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lm_worker.attention import PagedAttention, PagedAttentionMetadata
+from lm_worker.cpu_kernels import c_library
+
+logger = logging.getLogger(__name__)
+
+
+class _Layer(ctypes.Structure):  # struct epd_layer
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "norm1", "qkv_w", "qkv_b", "o_w", "norm2", "gate_up_w", "down_w", "k_cache", "v_cache"
+        )
+    ]  # fmt: skip
+
+
+class _Decoder(ctypes.Structure):  # struct epd_decoder
+    _fields_ = [
+        *((name, ctypes.c_long) for name in (
+            "num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size"
+        )),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]  # fmt: skip
+
+
+class FusedDecode:
+    """The model's decoder layers for a step of one sequence's one token, in C. Called as the
+    model's `fused_decode(x, cos, sin, attn_metadata)`: the layers' output [1, hidden] (the
+    final norm not applied), or None for a step it does not take."""
+
+    def __init__(self, model: nn.Module, attention: PagedAttention):
+        why = why_not_fused(model, attention)
+        if why:
+            raise ValueError(f"no fused decode: {why}")
+        self.attention = attention
+        self._run = c_library()[0].epd_decode_layers
+        c = model.config
+        layers = []
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_bias = attn.qkv_proj.bias
+            layers.append(
+                _Layer(
+                    layer.input_layernorm.weight.data_ptr(),
+                    attn.qkv_proj.weight.data_ptr(),
+                    qkv_bias.data_ptr() if qkv_bias is not None else None,
+                    attn.o_proj.weight.data_ptr(),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    mlp.gate_up_proj.weight.data_ptr(),
+                    mlp.down_proj.weight.data_ptr(),
+                    attention.kv_cache[i, 0].data_ptr(),
+                    attention.kv_cache[i, 1].data_ptr(),
+                )
+            )
+        self._layers = (_Layer * len(layers))(*layers)
+        self._decoder = _Decoder(
+            c.num_layers,
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            attention.block_size,
+            model.norm.eps,
+            attention.scale,
+            self._layers,
+        )
+        # The pointers above are into these tensors: they live as long as this object.
+        self._tensors = [*model.parameters(), attention.kv_cache]
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # rotary_tables: [T, 1, head_dim]
+        signed_sin: torch.Tensor,
+        meta: PagedAttentionMetadata,
+    ) -> torch.Tensor | None:
+        if (
+            x.shape[0] != 1
+            or meta.num_decodes != 1
+            or meta.prefill_query_lens
+            or self.attention.on_layer_written is not None  # the KV connector's per-layer save
+        ):
+            return None
+        out = x.clone()  # x may be the runner's input buffer
+        tables = meta.decode_block_tables
+        failed = self._run(
+            ctypes.byref(self._decoder),
+            out.data_ptr(),
+            cos.contiguous().data_ptr(),
+            signed_sin.contiguous().data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            meta.decode_seq_lens.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed == -1:
+            raise MemoryError("fused decode: no memory for its scratch")
+        if failed:
+            raise RuntimeError("fused decode: the sequence's length does not fit its block table")
+        return out
+
+
+def why_not_fused(model: nn.Module, attention: PagedAttention) -> str:
+    """Why `FusedDecode` cannot run this model here ("" when it can)."""
+    from models.qwen2_vl.language_model import Qwen2LanguageModel
+
+    lib, why = c_library()
+    if lib is None:
+        return why
+    if not isinstance(model, Qwen2LanguageModel):
+        return f"it runs Qwen2's decoder layers, not {type(model).__name__}'s"
+    cache = attention.kv_cache
+    if cache is None or cache.device.type != "cpu" or cache.dtype != torch.float32:
+        return "it needs a float32 KV cache on the CPU"
+    c = model.config
+    if c.num_heads % c.num_kv_heads:
+        return "query heads must be a multiple of the KV heads"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is None or mlp.gate_up_proj is None:
+            return "it needs the merged projections (merge_projections)"
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if attn.o_proj.bias is not None:
+            return "o_proj has a bias"
+        for m in linears:
+            if m.weight is None:
+                return "the layers' dense weights were dropped (a packed kernel's choice)"
+        for p in layer.parameters():
+            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
+                return f"it runs contiguous float32 weights on the CPU, not {p.dtype} on {p.device}"
+    return ""
+
+
+def choose_fused_decode(
+    model: nn.Module, attention: PagedAttention, step: Callable[[], object], rounds: int = 5
+) -> tuple[bool, str]:
+    """Time `step` (a decode step of one token, the runner's dummy run) with the fused layers
+    and with the modules, alternately, and keep the faster. Returns whether the fused layers
+    run, and what was measured (or why they cannot run)."""
+    why = why_not_fused(model, attention)
+    if why:
+        return False, why
+    fused = FusedDecode(model, attention)
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(rounds):
+        for on in (True, False):
+            model.fused_decode = fused if on else None
+            started = time.perf_counter()
+            step()
+            best[on] = min(best[on], time.perf_counter() - started)
+    model.fused_decode = fused if best[True] < best[False] else None
+    ms = {k: round(v * 1e3, 3) for k, v in best.items()}
+    return best[True] < best[False], f"fused {ms[True]} ms, modules {ms[False]} ms a step"
