@@ -475,9 +475,10 @@ class LMConfig:
     # name alone is that kernel for both where it runs batches (mkl, gemv: F.linear for them).
     # bf16 layers take linear and gemv only.
     cpu_linear: Literal["auto", CPULinearKernel] = "auto"
-    # A CPU decode step of one sequence through every decoder layer in one C call (with our
-    # gemv; lm_worker/cpu_decode.py): auto (where it runs and is measured faster than the torch
-    # modules at start-up; float32 Qwen2 decoders), on (an error where it cannot run), off.
+    # CPU decode steps of up to 8 sequences through every decoder layer in one C call
+    # (lm_worker/cpu_decode.py; its products read each weight row once for all of them): auto
+    # (float32 Qwen2 decoders, for the sequence counts where it is measured faster than the
+    # torch modules at start-up), on (up to 8 sequences; an error where it cannot run), off.
     cpu_fused_decode: Literal["auto", "on", "off"] = "auto"
     # How long a request may wait for its embeddings to appear in the cache.
     embedding_timeout_seconds: float = 120.0

@@ -101,17 +101,64 @@ int epd_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
     return 0;
 }
 
-/* ---- Decoder layers for one sequence ----------------------------------------------------------
+/* ---- Decoder layers for a few sequences ---------------------------------------------------------
 
-A decode step of one sequence through Qwen2's decoder layers (fp32), all of it here:
+A decode step of one to eight sequences (one new token each) through Qwen2's decoder layers
+(fp32), all of it here, for each sequence:
     h = rms_norm(x) * norm1;  q, k, v = qkv_w h + qkv_b;  q, k rotated (rotary tables);
     k, v written into the sequence's slot of the paged cache;  a = attention(q, its keys);
     x += o_w a;  h = rms_norm(x) * norm2;  g, u = gate_up_w h;  x += down_w (silu(g) * u).
 In torch each of those is an operator dispatched on its own: a few microseconds each, about 30
 a layer, a quarter of a step of the bench's model where the products stream 300 MB. Here they
-cost what their arithmetic costs; the products are the gemv above, on the same threads. The
-operations and their order are torch's (lm_worker/attention.py, models/layers.py), so the
-results agree to the rounding of sums taken in another order. */
+cost what their arithmetic costs. The products read each weight row once for all the step's
+sequences (`dot_rows`): two sequences cost about what one does, where torch's batch kernels
+read a few rows at half the rate or less. The operations and their order are torch's
+(lm_worker/attention.py, models/layers.py), so the results agree to the rounding of sums taken
+in another order. */
+
+#define MAX_SEQS 8
+
+/* out[s] = w . x[s] for the rows x[0 .. S-1] (each k long, one after another): the weight row
+   is loaded once for all of them. S is a constant where products() calls it. */
+static inline __attribute__((always_inline)) void dot_rows(const float *w, const float *x,
+                                                           long k, int S, float *out) {
+    vec a[MAX_SEQS][2];
+    for (int s = 0; s < S; s++) a[s][0] = a[s][1] = (vec){0};
+    long i = 0;
+    for (; i + 32 <= k; i += 32) {
+        vec w0 = load(w + i), w1 = load(w + i + 16);
+        for (int s = 0; s < S; s++) {
+            a[s][0] += w0 * load(x + s * k + i);
+            a[s][1] += w1 * load(x + s * k + i + 16);
+        }
+    }
+    for (int s = 0; s < S; s++) {
+        vec v = a[s][0] + a[s][1];
+        for (int half = 8; half > 0; half /= 2)
+            for (int j = 0; j < half; j++) v[j] += v[j + half];
+        out[s] = v[0];
+        for (long j = i; j < k; j++) out[s] += w[j] * x[s * k + j];
+    }
+}
+
+#define ROWS_CASE(S)                                                                        \
+    case S:                                                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                   \
+        for (long r = 0; r < n; r++) {                                                      \
+            float o[S];                                                                     \
+            dot_rows(w + r * k, x, k, S, o);                                                \
+            for (int s = 0; s < S; s++) y[s * n + r] = o[s] + (b ? b[r] : 0.0f);            \
+        }                                                                                   \
+        break;
+
+/* y[s] = W x[s] (+ b) for the step's S sequences: y [S, n], x [S, k]. */
+static void products_for(int S, const float *w, const float *x, const float *b, float *y, long n,
+                         long k, int threads) {
+    switch (S) {
+    case 1: products(w, x, b, y, n, k, threads); break; /* four sums a row: one stream */
+    ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+    }
+}
 
 struct epd_layer { /* one layer's tensors, fp32 and contiguous */
     const float *norm1;       /* [hidden] */
@@ -130,6 +177,19 @@ struct epd_decoder {
     const struct epd_layer *layers;
 };
 
+/* The step's sequences: S of them, sequence s with block table tables[s * table_stride ..]
+   (max_blocks wide) and lens[s] tokens, its new one included. */
+struct epd_seqs {
+    long S;
+    const int64_t *tables;
+    long table_stride, max_blocks;
+    const int64_t *lens;
+};
+
+static inline long slot_of(const struct epd_seqs *q, long s, long t, long bs) {
+    return q->tables[s * q->table_stride + t / bs] * bs + t % bs;
+}
+
 /* y = x / sqrt(mean(x * x) + eps) * weight, as models/layers.py's RMSNorm in fp32. */
 static void rms_norm(const float *x, const float *weight, float *y, long n, float eps) {
     float scale = 1.0f / sqrtf(dot(x, x, n, 0) / (float)n + eps);
@@ -144,65 +204,79 @@ static void rotate(float *x, const float *cos, const float *signed_sin, long d) 
     for (long i = 0; i < d; i++) x[i] = x[i] * cos[i] + rolled[i] * signed_sin[i];
 }
 
-/* out[h] = softmax(q[h] . keys * scale) . values over the sequence's first `len` tokens, each
-   query head h reading kv head h / (heads / kv_heads). `scores`: [heads, len] scratch. */
-static void attend(const struct epd_decoder *m, const struct epd_layer *layer, const float *q,
-                   const int64_t *block_table, long len, float *scores, float *out, int threads) {
-    long d = m->head_dim, kvh = m->kv_heads, group = m->heads / kvh, bs = m->block_size;
+/* For each sequence s and query head h: out = softmax(q . keys * scale) . values over the
+   sequence's tokens, head h reading kv head h / (heads / kv_heads). q [S, (heads + 2 kv_heads)
+   head_dim] (its q part is read), out [S, heads head_dim], scores [S heads, longest] scratch. */
+static void attend(const struct epd_decoder *m, const struct epd_layer *layer,
+                   const struct epd_seqs *seqs, const float *q, long longest, float *scores,
+                   float *out, int threads) {
+    long d = m->head_dim, heads = m->heads, kvh = m->kv_heads, group = heads / kvh;
+    long bs = m->block_size, q_stride = (heads + 2 * kvh) * d;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long h = 0; h < m->heads; h++) {
-        const float *qh = q + h * d;
-        float *s = scores + h * len, *o = out + h * d, top = -INFINITY, total = 0.0f;
-        long head = h / group;
+    for (long sh = 0; sh < seqs->S * heads; sh++) {
+        long s = sh / heads, h = sh % heads, head = h / group, len = seqs->lens[s];
+        const float *qh = q + s * q_stride + h * d;
+        float *sc = scores + sh * longest, *o = out + s * heads * d + h * d;
+        float top = -INFINITY, total = 0.0f;
         for (long t = 0; t < len; t++) {
-            long slot = block_table[t / bs] * bs + t % bs;
-            s[t] = dot(layer->k_cache + (slot * kvh + head) * d, qh, d, 0) * m->scale;
-            top = s[t] > top ? s[t] : top;
+            long slot = slot_of(seqs, s, t, bs);
+            sc[t] = dot(layer->k_cache + (slot * kvh + head) * d, qh, d, 0) * m->scale;
+            top = sc[t] > top ? sc[t] : top;
         }
-        for (long t = 0; t < len; t++) total += s[t] = expf(s[t] - top);
+        for (long t = 0; t < len; t++) total += sc[t] = expf(sc[t] - top);
         for (long i = 0; i < d; i++) o[i] = 0.0f;
         for (long t = 0; t < len; t++) {
-            long slot = block_table[t / bs] * bs + t % bs;
-            const float *v = layer->v_cache + (slot * kvh + head) * d;
-            for (long i = 0; i < d; i++) o[i] += s[t] * v[i];
+            const float *v = layer->v_cache + (slot_of(seqs, s, t, bs) * kvh + head) * d;
+            for (long i = 0; i < d; i++) o[i] += sc[t] * v[i];
         }
         for (long i = 0; i < d; i++) o[i] /= total;
     }
 }
 
-/* Every layer on one sequence's new token: x [hidden] in place (the residual stream), cos /
-   signed_sin [head_dim] its rotary tables, block_table the sequence's blocks, *seq_len its
-   tokens with the new one, max_blocks the table's width. 0; -1 when there is no memory for
-   the scratch, -2 when *seq_len does not fit the table. */
-int epd_decode_layers(const struct epd_decoder *m, float *x, const float *cos,
-                      const float *signed_sin, const int64_t *block_table, long max_blocks,
-                      const int64_t *seq_len, int threads) {
-    long n = m->hidden, d = m->head_dim, heads = m->heads, kvh = m->kv_heads;
-    long inter = m->intermediate, len = *seq_len, pos = len - 1;
-    long qkv_rows = (heads + 2 * kvh) * d;
-    if (len < 1 || pos / m->block_size >= max_blocks) return -2;
-    long slot = block_table[pos / m->block_size] * m->block_size + pos % m->block_size;
-    float *h = malloc((n + qkv_rows + heads * d + 2 * inter + heads * len) * sizeof *h);
+/* Every layer on the new tokens of the sequences: x [S, hidden] in place (the residual
+   streams), cos / signed_sin [S, head_dim] their rotary tables. 0; -1 when there is no memory
+   for the scratch, -2 when a length does not fit its table or S is not 1 .. MAX_SEQS. */
+int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, float *x,
+                      const float *cos, const float *signed_sin, int threads) {
+    long n = m->hidden, d = m->head_dim, heads = m->heads, kvh = m->kv_heads, S = seqs->S;
+    long inter = m->intermediate, qkv_rows = (heads + 2 * kvh) * d, bs = m->block_size;
+    long longest = 0, slots[MAX_SEQS];
+    if (S < 1 || S > MAX_SEQS) return -2;
+    for (long s = 0; s < S; s++) {
+        long len = seqs->lens[s];
+        if (len < 1 || (len - 1) / bs >= seqs->max_blocks) return -2;
+        slots[s] = slot_of(seqs, s, len - 1, bs);
+        longest = len > longest ? len : longest;
+    }
+    float *h = malloc(S * (n + qkv_rows + heads * d + 2 * inter + heads * longest) * sizeof *h);
     if (!h) return -1;
-    float *qkv = h + n, *att = qkv + qkv_rows, *gate_up = att + heads * d;
-    float *scores = gate_up + 2 * inter;
+    float *qkv = h + S * n, *att = qkv + S * qkv_rows, *gate_up = att + S * heads * d;
+    float *scores = gate_up + S * 2 * inter;
+    long kv = kvh * d; /* one token's keys (or values) in a layer */
     for (long l = 0; l < m->num_layers; l++) {
         const struct epd_layer *layer = m->layers + l;
-        rms_norm(x, layer->norm1, h, n, m->eps);
-        products(layer->qkv_w, h, layer->qkv_b, qkv, qkv_rows, n, threads);
-        for (long head = 0; head < heads + kvh; head++) /* q's heads, then k's */
-            rotate(qkv + head * d, cos, signed_sin, d);
-        memcpy(layer->k_cache + slot * kvh * d, qkv + heads * d, kvh * d * sizeof *h);
-        memcpy(layer->v_cache + slot * kvh * d, qkv + (heads + kvh) * d, kvh * d * sizeof *h);
-        attend(m, layer, qkv, block_table, len, scores, att, threads);
-        products(layer->o_w, att, NULL, h, n, heads * d, threads);
-        for (long i = 0; i < n; i++) x[i] += h[i];
-        rms_norm(x, layer->norm2, h, n, m->eps);
-        products(layer->gate_up_w, h, NULL, gate_up, 2 * inter, n, threads);
-        for (long i = 0; i < inter; i++) /* silu(g) * u */
-            gate_up[i] = gate_up[i] / (1.0f + expf(-gate_up[i])) * gate_up[inter + i];
-        products(layer->down_w, gate_up, NULL, h, n, inter, threads);
-        for (long i = 0; i < n; i++) x[i] += h[i];
+        for (long s = 0; s < S; s++) rms_norm(x + s * n, layer->norm1, h + s * n, n, m->eps);
+        products_for(S, layer->qkv_w, h, layer->qkv_b, qkv, qkv_rows, n, threads);
+        for (long s = 0; s < S; s++) {
+            float *row = qkv + s * qkv_rows;
+            for (long head = 0; head < heads + kvh; head++) /* q's heads, then k's */
+                rotate(row + head * d, cos + s * d, signed_sin + s * d, d);
+            memcpy(layer->k_cache + slots[s] * kv, row + heads * d, kv * sizeof *h);
+            memcpy(layer->v_cache + slots[s] * kv, row + heads * d + kv, kv * sizeof *h);
+        }
+        attend(m, layer, seqs, qkv, longest, scores, att, threads);
+        products_for(S, layer->o_w, att, NULL, h, n, heads * d, threads);
+        for (long i = 0; i < S * n; i++) x[i] += h[i];
+        for (long s = 0; s < S; s++) rms_norm(x + s * n, layer->norm2, h + s * n, n, m->eps);
+        products_for(S, layer->gate_up_w, h, NULL, gate_up, 2 * inter, n, threads);
+        for (long s = 0; s < S; s++) { /* silu(g) * u, into g's place */
+            float *g = gate_up + s * 2 * inter, *u = g + inter;
+            for (long i = 0; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+        for (long s = 0; s < S; s++) /* down's input rows: each sequence's g, packed */
+            memmove(gate_up + s * inter, gate_up + s * 2 * inter, inter * sizeof *h);
+        products_for(S, layer->down_w, gate_up, NULL, h, n, inter, threads);
+        for (long i = 0; i < S * n; i++) x[i] += h[i];
     }
     free(h);
     return 0;

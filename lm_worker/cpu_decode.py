@@ -1,14 +1,17 @@
-"""A decode step of one sequence through every decoder layer in one C call (cpu_decode.c).
+"""A CPU decode step of a few sequences through every decoder layer in one C call (cpu_decode.c).
 
 On a CPU a batch-1 decode step is bound by streaming the weights, and our gemv streams them at
 about a sum's rate; what is left is dispatch: each layer is some 30 torch operators (norms,
 rotary, the KV write, attention, SiLU, residual adds) of a few microseconds each, about a
 quarter of a step of the bench's model. `FusedDecode` runs the same operations in C, on the
-model's own weights and the engine's paged KV cache, for the steps that are one sequence's
-one new token; every other step (prefill, decode batches) runs the torch modules as before.
+model's own weights and the engine's paged KV cache, for decode steps of one to eight
+sequences; its products read each weight row once for all of them, so two sequences cost
+about what one does (torch's batch kernels read a few rows at half that rate or less). Every
+other step (prefill, larger batches) runs the torch modules as before.
 
 It serves Qwen2's decoder (both VL families) in float32 with merged projections, and is kept
-only where it is measured faster than the modules at start-up (`choose_fused_decode`).
+for the sequence counts where it is measured faster than the modules at start-up
+(`choose_fused_decode`).
 """
 
 from __future__ import annotations
@@ -47,16 +50,33 @@ class _Decoder(ctypes.Structure):  # struct epd_decoder
     ]  # fmt: skip
 
 
-class FusedDecode:
-    """The model's decoder layers for a step of one sequence's one token, in C. Called as the
-    model's `fused_decode(x, cos, sin, attn_metadata)`: the layers' output [1, hidden] (the
-    final norm not applied), or None for a step it does not take."""
+class _Seqs(ctypes.Structure):  # struct epd_seqs
+    _fields_ = [
+        ("S", ctypes.c_long),
+        ("tables", ctypes.c_void_p),
+        ("table_stride", ctypes.c_long),
+        ("max_blocks", ctypes.c_long),
+        ("lens", ctypes.c_void_p),
+    ]
 
-    def __init__(self, model: nn.Module, attention: PagedAttention):
+
+MAX_SEQS = 8  # cpu_decode.c's MAX_SEQS
+
+
+class FusedDecode:
+    """The model's decoder layers for a decode step of 1 .. `max_seqs` sequences (one new
+    token each), in C. Called as the model's `fused_decode(x, cos, sin, attn_metadata)`: the
+    layers' output [S, hidden] (the final norm not applied), or None for a step it does not
+    take (prefill, more sequences)."""
+
+    def __init__(self, model: nn.Module, attention: PagedAttention, max_seqs: int = MAX_SEQS):
         why = why_not_fused(model, attention)
         if why:
             raise ValueError(f"no fused decode: {why}")
+        if not 1 <= max_seqs <= MAX_SEQS:
+            raise ValueError(f"max_seqs must be 1 .. {MAX_SEQS}, got {max_seqs}")
         self.attention = attention
+        self.max_seqs = max_seqs
         self._run = c_library()[0].epd_decode_layers
         c = model.config
         layers = []
@@ -99,29 +119,30 @@ class FusedDecode:
         signed_sin: torch.Tensor,
         meta: PagedAttentionMetadata,
     ) -> torch.Tensor | None:
+        S = x.shape[0]
         if (
-            x.shape[0] != 1
-            or meta.num_decodes != 1
+            not 1 <= S <= self.max_seqs
+            or meta.num_decodes != S
             or meta.prefill_query_lens
             or self.attention.on_layer_written is not None  # the KV connector's per-layer save
         ):
             return None
         out = x.clone()  # x may be the runner's input buffer
-        tables = meta.decode_block_tables
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+        assert tables.stride(1) == 1 and lens.is_contiguous()
+        seqs = _Seqs(S, tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr())
         failed = self._run(
             ctypes.byref(self._decoder),
+            ctypes.byref(seqs),
             out.data_ptr(),
             cos.contiguous().data_ptr(),
             signed_sin.contiguous().data_ptr(),
-            tables.data_ptr(),
-            tables.shape[1],
-            meta.decode_seq_lens.data_ptr(),
             torch.get_num_threads(),
         )
         if failed == -1:
             raise MemoryError("fused decode: no memory for its scratch")
         if failed:
-            raise RuntimeError("fused decode: the sequence's length does not fit its block table")
+            raise RuntimeError("fused decode: a sequence's length does not fit its block table")
         return out
 
 
@@ -157,22 +178,35 @@ def why_not_fused(model: nn.Module, attention: PagedAttention) -> str:
 
 
 def choose_fused_decode(
-    model: nn.Module, attention: PagedAttention, step: Callable[[], object], rounds: int = 5
-) -> tuple[bool, str]:
-    """Time `step` (a decode step of one token, the runner's dummy run) with the fused layers
-    and with the modules, alternately, and keep the faster. Returns whether the fused layers
-    run, and what was measured (or why they cannot run)."""
+    model: nn.Module,
+    attention: PagedAttention,
+    step: Callable[[int], object],
+    max_seqs: int = MAX_SEQS,
+    rounds: int = 3,
+) -> tuple[int, str]:
+    """Time `step(n)` (a decode step of n sequences: the runner's dummy run) with the fused
+    layers and with the modules, alternately, at n = 1, 2, 4, 8 (`max_seqs` in place of those
+    above it), and keep the fused layers for the sequence counts up to the largest n where they
+    win at every measured count up to it (0: nowhere). Returns that count, and what was
+    measured (or why the fused layers cannot run)."""
     why = why_not_fused(model, attention)
     if why:
-        return False, why
+        return 0, why
     fused = FusedDecode(model, attention)
-    best = {True: float("inf"), False: float("inf")}
-    for _ in range(rounds):
-        for on in (True, False):
-            model.fused_decode = fused if on else None
-            started = time.perf_counter()
-            step()
-            best[on] = min(best[on], time.perf_counter() - started)
-    model.fused_decode = fused if best[True] < best[False] else None
-    ms = {k: round(v * 1e3, 3) for k, v in best.items()}
-    return best[True] < best[False], f"fused {ms[True]} ms, modules {ms[False]} ms a step"
+    limit = min(max_seqs, MAX_SEQS)
+    kept, timings = 0, []
+    for n in sorted({min(n, limit) for n in (1, 2, 4, 8)}):
+        best = {True: float("inf"), False: float("inf")}
+        for _ in range(rounds):
+            for on in (True, False):
+                model.fused_decode = fused if on else None
+                started = time.perf_counter()
+                step(n)
+                best[on] = min(best[on], time.perf_counter() - started)
+        timings.append(f"{n}: fused {best[True] * 1e3:.2f} / modules {best[False] * 1e3:.2f} ms")
+        if best[True] >= best[False]:
+            break
+        kept = n
+    fused.max_seqs = kept
+    model.fused_decode = fused if kept else None
+    return kept, "; ".join(timings)

@@ -156,8 +156,9 @@ def _choose_cpu_kernel(lm: LMConfig, model: torch.nn.Module) -> str:
 
 
 def _choose_fused_decode(lm: LMConfig, runner: ModelRunner) -> None:
-    """`lm.cpu_fused_decode`: the decoder layers of one sequence's decode step in one C call
-    (lm_worker/cpu_decode.py) where it runs (on) or where it is measured faster (auto)."""
+    """`lm.cpu_fused_decode`: the decoder layers of a decode step of a few sequences in one C
+    call (lm_worker/cpu_decode.py) where it runs (on: up to 8 sequences) or for the sequence
+    counts where it is measured faster (auto)."""
     model, attention = runner.model, runner.attention
     if lm.cpu_fused_decode == "off":
         return
@@ -167,9 +168,15 @@ def _choose_fused_decode(lm: LMConfig, runner: ModelRunner) -> None:
             raise RuntimeError(f"lm.cpu_fused_decode is on but cannot run here: {why}")
         model.fused_decode = FusedDecode(model, attention)
         return
-    fused, measured = choose_fused_decode(model, attention, lambda: runner.dummy_run(1))
+
+    def step(num_seqs: int) -> None:
+        runner.dummy_run(num_seqs, full_width=False)
+
+    kept, measured = choose_fused_decode(model, attention, step, lm.max_num_seqs)
     logger.info(
-        "decode of one sequence: %s (%s)", "fused C layers" if fused else "torch modules", measured
+        "CPU decode steps of %s: fused C layers (a step's time at S sequences: %s)",
+        f"1 .. {kept} sequences" if kept else "no sequence count",
+        measured,
     )
 
 

@@ -339,15 +339,21 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     @torch.inference_mode()
-    def dummy_run(self, num_tokens: int) -> torch.Tensor:
+    def dummy_run(self, num_tokens: int, full_width: bool = True) -> torch.Tensor:
         """A forward pass over `num_tokens` decode slots of the null block, fed from
-        `dummy_inputs_embeds`: warm-up and graph capture never run an encoder."""
+        `dummy_inputs_embeds`: warm-up and graph capture never run an encoder. The block
+        tables are full width, as graphs capture them (torch's decode attention then reads
+        max_model_len keys a sequence), or (not `full_width`) one block wide, as an eager step
+        of short sequences has them (to time a step)."""
         b = self.buffers
+        meta = b.static_decode_metadata(num_tokens)
+        if not full_width:
+            meta.decode_block_tables = meta.decode_block_tables[:, :1]
         return self.model(
             b.input_ids[:num_tokens] if self.requires_raw_input_tokens else None,
             b.positions_view(num_tokens),
             self.model_state.dummy_inputs_embeds(num_tokens),
-            b.static_decode_metadata(num_tokens),
+            meta,
             intermediate_tensors=None,
         )
 

@@ -23,37 +23,41 @@ needs_c = pytest.mark.skipif(
 )
 
 
-def _decode_inputs(engine, seq_len: int, block_size: int):
-    """A random KV cache, a block table scattered over it for a sequence of `seq_len` tokens
-    (its last one new), that token's hidden state and positions."""
+def _decode_inputs(engine, seq_lens: list[int], block_size: int):
+    """A random KV cache, block tables scattered over it for sequences of `seq_lens` tokens
+    (their last one new; tables wider than they need, in a wider buffer as the runner's), those
+    tokens' hidden states and positions."""
     runner = engine.runner
     cache = runner.attention.kv_cache
     cache.normal_()
-    torch.manual_seed(seq_len)
-    blocks = -(-seq_len // block_size)
-    order = torch.randperm(cache.shape[2] - 1)[:blocks] + 1  # never the null block
-    table = torch.zeros(1, blocks + 3, dtype=torch.long)  # wider than it needs
-    table[0, :blocks] = order
-    pos = seq_len - 1
-    slot = order[pos // block_size] * block_size + pos % block_size
+    torch.manual_seed(sum(seq_lens))
+    need = [-(-n // block_size) for n in seq_lens]
+    order = (torch.randperm(cache.shape[2] - 1)[: sum(need)] + 1).tolist()  # not the null block
+    buffer = torch.zeros(len(seq_lens) + 2, max(need) + 5, dtype=torch.long)
+    tables = buffer[: len(seq_lens), : max(need) + 2]
+    slots = []
+    for i, (n, blocks) in enumerate(zip(seq_lens, need, strict=True)):
+        tables[i, :blocks] = torch.tensor([order.pop() for _ in range(blocks)])
+        slots.append(int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size)
     meta = PagedAttentionMetadata(
-        slot_mapping=slot.reshape(1),
-        num_decodes=1,
-        decode_block_tables=table,
-        decode_seq_lens=torch.tensor([seq_len]),
+        slot_mapping=torch.tensor(slots),
+        num_decodes=len(seq_lens),
+        decode_block_tables=tables,
+        decode_seq_lens=torch.tensor(seq_lens),
         prefill_query_lens=[],
         prefill_seq_lens=[],
         prefill_block_tables=[],
     )
-    x = torch.randn(1, runner.model.config.hidden_size)
-    positions = torch.full((3, 1), pos + 5)  # M-RoPE positions run past the index after media
+    x = torch.randn(len(seq_lens), runner.model.config.hidden_size)
+    # M-RoPE positions: past the index after media, each axis its own in general.
+    positions = torch.tensor(seq_lens) + torch.tensor([[5], [3], [4]])
     return x, positions, meta
 
 
 @needs_c
 @pytest.mark.parametrize("shape", ["tiny", "odd"])
-@pytest.mark.parametrize("seq_len", [1, 16, 37])
-def test_fused_layers_give_the_modules_logits(tiny_checkpoint, tmp_path, shape, seq_len):
+@pytest.mark.parametrize("seq_lens", [[1], [16], [37], [37, 1, 9], [5, 40, 16, 8, 3, 22, 17, 2]])
+def test_fused_layers_give_the_modules_logits(tiny_checkpoint, tmp_path, shape, seq_lens):
     checkpoint = tiny_checkpoint
     if shape == "odd":  # head_dim 18, intermediate 100: the kernels' tails
         checkpoint = make_checkpoint(
@@ -63,7 +67,7 @@ def test_fused_layers_give_the_modules_logits(tiny_checkpoint, tmp_path, shape, 
     engine = make_engine(checkpoint, cpu_fused_decode="on", block_size=8)
     model, cache = engine.runner.model, engine.runner.attention.kv_cache
     assert model.fused_decode is not None
-    x, positions, meta = _decode_inputs(engine, seq_len, block_size=8)
+    x, positions, meta = _decode_inputs(engine, seq_lens, block_size=8)
     before = cache.clone()
     with torch.inference_mode():
         fused = model.compute_logits(model(None, positions, x.clone(), meta))
@@ -95,22 +99,32 @@ def test_the_engine_on_fused_layers_gives_the_reference_tokens(tiny_checkpoint, 
     steps = sum(len(c.expected) - 1 for c in cases.values())
     assert sum(took for *_, took in taken) == steps
     taken.clear()
-    out = run(engine, *cases.values())  # together: batches, and prefill beside decodes
+    out = run(engine, *cases.values())  # together: decode batches, and prefill beside decodes
     for c in cases.values():
         assert out[c.request_id].token_ids == c.expected
-    assert all(took == (tokens == decodes == 1) for tokens, decodes, took in taken)
-    assert taken and not any(took for *_, took in taken)  # they finish together
+    # Steps of decodes only are fused, the others run the modules.
+    assert all(took == (tokens == decodes) for tokens, decodes, took in taken)
+    assert {(3, 3, True)} <= set(taken) and any(not took for *_, took in taken)
+    taken.clear()
+    fused.max_seqs = 2  # more sequences than it takes: the modules
+    out = run(engine, *cases.values())
+    for c in cases.values():
+        assert out[c.request_id].token_ids == c.expected
+    assert (3, 3, False) in taken
 
 
 @needs_c
 def test_fused_decode_off_and_auto(tiny_checkpoint, caplog):
     assert make_engine(tiny_checkpoint, cpu_fused_decode="off").runner.model.fused_decode is None
     with caplog.at_level("INFO", logger="lm_worker.loader"):
-        engine = make_engine(tiny_checkpoint)  # auto: timed against the modules at start-up
-    (line,) = [r.getMessage() for r in caplog.records if "decode of one sequence" in r.message]
-    fused = engine.runner.model.fused_decode is not None
-    assert ("fused C layers" if fused else "torch modules") in line
-    assert "ms, modules" in line  # both measured
+        # auto: timed against the modules at start-up, at 1, 2 and (in place of 4 and 8) 3
+        engine = make_engine(tiny_checkpoint, max_num_seqs=3)
+    (line,) = [r.getMessage() for r in caplog.records if "CPU decode steps of" in r.message]
+    fused = engine.runner.model.fused_decode
+    kept = fused.max_seqs if fused is not None else 0
+    assert kept in (0, 1, 2, 3)
+    assert (f"1 .. {kept} sequences" if kept else "no sequence count") in line
+    assert "1: fused" in line and "4:" not in line  # both measured at one sequence at least
 
 
 def test_where_it_cannot_run_it_says_why(tiny_checkpoint, monkeypatch):
