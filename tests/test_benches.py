@@ -71,6 +71,8 @@ def test_bench_lm(tiny_checkpoint):
         "2",
         "--hf-batch",
         "2",
+        "--few-streams",
+        "3",
         "--rounds",
         "1",
         "--profile",
@@ -82,6 +84,7 @@ def test_bench_lm(tiny_checkpoint):
     assert summary["roofline_tps"] > 0 and summary["streams_vs_hf_batch"] > 0
     assert summary["linear_kernel"] in KERNELS
     assert isinstance(summary["fused_decode"], bool)
+    assert summary["few_streams"] == 3 and summary["few_streams_vs_hf"] > 0
     assert {"sum", "gemv"} <= set(summary["read_bandwidth_gbps"]) <= {"sum", "gemv", "gemv_ours"}
     assert summary["hf_batch1_vs_roofline"] > 0
     assert summary["dtype"] == "float32"
@@ -89,8 +92,11 @@ def test_bench_lm(tiny_checkpoint):
     # In bf16 (the float32 run above is the comparison): the step's weights, with no packed
     # fp32 copies, are half the bytes, so twice the roofline at the same read rate.
     args = ("lm", "--model", str(tiny_checkpoint), "--tokens", "8", "--streams", "2")
-    bf16 = bench(*args, "--hf-batch", "2", "--rounds", "1", "--dtype", "bfloat16")
+    bf16 = bench(
+        *args, "--hf-batch", "2", "--rounds", "1", "--dtype", "bfloat16", "--few-streams", "0"
+    )
     assert bf16["dtype"] == "bfloat16" and bf16["batch1_ours_tps"] > 0
+    assert "few_streams" not in bf16 and bf16["fused_decode"] is False  # float32 only
     assert bf16["batch1_hf_tps"] > 0 and bf16["streams_vs_hf_batch"] > 0
     assert bf16["weight_bytes"] * 2 == summary["weight_bytes"]
 

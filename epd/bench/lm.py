@@ -4,7 +4,8 @@ Both sides run in this process on the same threads, interleaved round by round:
 - batch 1: decode tokens/s, measured as (N - 1) / (time for N tokens - time for 1 token), so
   prefill cancels out the same way on both sides;
 - concurrency: our engine with S concurrent streams against `generate` at batch B (default 32
-  vs 8), aggregate tokens/s including prefill, as a serving system would see it;
+  vs 8), aggregate tokens/s including prefill, as a serving system would see it; and a few
+  streams (default 4) against `generate` at the same batch, the load of a lightly used server;
 - the roofline at batch 1: every decode step reads all LM weights once, so the fastest possible
   step takes weight bytes / memory *read* bandwidth (measured here as the best of a streaming
   reduction and GEMVs, torch's and ours, each over as many bytes as a step's weights; a copy
@@ -156,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     dtype = DTYPES[args.dtype]
-    ours = Ours(model_dir, max(args.streams, 1), device, dtype)
+    ours = Ours(model_dir, max(args.streams, args.few_streams, 1), device, dtype)
     hf = HuggingFace(model_dir, device, dtype)
     n = args.tokens
     ours.run(1, 4)  # warm-up both
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
 
     weights = ours.weight_bytes()
     ours_b1, hf_b1, ours_many, hf_batch, reads_r = [], [], [], [], []
+    ours_few, hf_few = [], []
     for r in range(args.rounds):
         ours_b1.append((n - 1) / (_best(ours.run, 1, n) - _best(ours.run, 1, 1)))
         # The read bandwidth of this moment, beside the decode it bounds: on a shared host it
@@ -172,12 +174,20 @@ def run(args: argparse.Namespace) -> int:
         hf_b1.append((n - 1) / (_best(hf.run, 1, n) - _best(hf.run, 1, 1)))
         ours_many.append(args.streams * n / ours.run(args.streams, n))
         hf_batch.append(args.hf_batch * n / hf.run(args.hf_batch, n))
+        if args.few_streams:
+            ours_few.append(args.few_streams * n / ours.run(args.few_streams, n))
+            hf_few.append(args.few_streams * n / hf.run(args.few_streams, n))
         bandwidth = max(reads_r[-1].values())
         print(
             f"round {r + 1}: batch 1 ours {ours_b1[-1]:.1f} tok/s "
             f"({ours_b1[-1] * weights / bandwidth:.0%} of the roofline, read at "
             f"{bandwidth / 1e9:.1f} GB/s), HF {hf_b1[-1]:.1f}; ours x{args.streams} streams "
-            f"{ours_many[-1]:.1f} tok/s, HF batch {args.hf_batch} {hf_batch[-1]:.1f}",
+            f"{ours_many[-1]:.1f} tok/s, HF batch {args.hf_batch} {hf_batch[-1]:.1f}"
+            + (
+                f"; x{args.few_streams}: ours {ours_few[-1]:.1f}, HF {hf_few[-1]:.1f}"
+                if args.few_streams
+                else ""
+            ),
             flush=True,
         )
     med = statistics.median
@@ -195,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "dtype": args.dtype,
         "linear_kernel": ours.engine.linear_kernel,
-        # Batch-1 decode steps through every layer in one C call (lm_worker/cpu_decode.py).
+        # Decode steps of a few sequences through every layer in one C call (cpu_decode.py).
         "fused_decode": getattr(ours.engine.runner.model, "fused_decode", None) is not None,
         "new_tokens": n,
         "batch1_ours_tps": round(med(ours_b1), 2),
@@ -213,6 +223,13 @@ def run(args: argparse.Namespace) -> int:
         "hf_batch_tps": round(med(hf_batch), 2),
         "streams_vs_hf_batch": round(med(ours_many) / med(hf_batch), 3),
     }
+    if args.few_streams:
+        summary |= {
+            "few_streams": args.few_streams,
+            "few_streams_ours_tps": round(med(ours_few), 2),
+            "few_streams_hf_tps": round(med(hf_few), 2),
+            "few_streams_vs_hf": round(med(ours_few) / med(hf_few), 3),
+        }
     print(
         f"batch 1 ({summary['linear_kernel']} kernel"
         f"{', fused layers' if summary['fused_decode'] else ''}): "
@@ -221,6 +238,11 @@ def run(args: argparse.Namespace) -> int:
         f"of the roofline ({summary['roofline_tps']} tok/s = {weights / 1e6:.0f} MB of weights "
         f"read at {bandwidth / 1e9:.1f} GB/s); {args.streams} streams: "
         f"{summary['streams_vs_hf_batch']}x HF at batch {args.hf_batch}"
+        + (
+            f"; {args.few_streams} streams: {summary['few_streams_vs_hf']}x HF at that batch"
+            if args.few_streams
+            else ""
+        )
     )
     if args.profile:
         print(profile_batch1(ours, args.profile))
@@ -259,6 +281,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the built-in small model)")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per request (default 64)")
     p.add_argument("--streams", type=int, default=32, help="our concurrent streams (default 32)")
+    p.add_argument(
+        "--few-streams",
+        type=int,
+        default=4,
+        help="a few concurrent streams, against generate at that batch (default 4; 0: not run)",
+    )
     p.add_argument("--hf-batch", type=int, default=8, help="HF generate batch (default 8)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians reported")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
