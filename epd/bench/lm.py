@@ -46,9 +46,17 @@ def _prompt(i: int) -> list[int]:
 
 
 class Ours:
-    def __init__(self, model_dir: Path, max_num_seqs: int, device: str, dtype: torch.dtype):
+    def __init__(
+        self,
+        model_dir: Path,
+        max_num_seqs: int,
+        device: str,
+        dtype: torch.dtype,
+        fused_decode: str = "auto",
+    ):
         lm = LMConfig(
             device=device,
+            cpu_fused_decode=fused_decode,
             kv_cache_bytes=1 << 30,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(2048, max_num_seqs),
@@ -157,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     dtype = DTYPES[args.dtype]
-    ours = Ours(model_dir, max(args.streams, args.few_streams, 1), device, dtype)
+    ours = Ours(model_dir, max(args.streams, args.few_streams, 1), device, dtype, args.fused_decode)
     hf = HuggingFace(model_dir, device, dtype)
     n = args.tokens
     ours.run(1, 4)  # warm-up both
@@ -281,6 +289,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the built-in small model)")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per request (default 64)")
     p.add_argument("--streams", type=int, default=32, help="our concurrent streams (default 32)")
+    p.add_argument(
+        "--fused-decode",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="lm.cpu_fused_decode for our engine (default auto; off: the torch modules)",
+    )
     p.add_argument(
         "--few-streams",
         type=int,
