@@ -175,15 +175,23 @@ struct epd_decoder {
     long num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
     float eps, scale; /* RMSNorm's epsilon; attention's scale (head_dim ** -0.5) */
     const struct epd_layer *layers;
+    const float *final_norm; /* [hidden] */
+    /* Rotary: frequency j < head_dim / 2 turns with inv_freq[j] times the position on axis
+       freq_axis[j] (M-RoPE: time, height, width; one axis for plain RoPE). */
+    const float *inv_freq;
+    const int32_t *freq_axis;
 };
 
 /* The step's sequences: S of them, sequence s with block table tables[s * table_stride ..]
-   (max_blocks wide) and lens[s] tokens, its new one included. */
+   (max_blocks wide), lens[s] tokens, its new one included, and that token's position on axis
+   a at positions[a * position_stride + s]. */
 struct epd_seqs {
     long S;
     const int64_t *tables;
     long table_stride, max_blocks;
     const int64_t *lens;
+    const int64_t *positions;
+    long position_stride;
 };
 
 static inline long slot_of(const struct epd_seqs *q, long s, long t, long bs) {
@@ -194,6 +202,20 @@ static inline long slot_of(const struct epd_seqs *q, long s, long t, long bs) {
 static void rms_norm(const float *x, const float *weight, float *y, long n, float eps) {
     float scale = 1.0f / sqrtf(dot(x, x, n, 0) / (float)n + eps);
     for (long i = 0; i < n; i++) y[i] = x[i] * scale * weight[i];
+}
+
+/* A token's rotary tables (models/qwen2_vl/rope.py, then models/layers.py's rotary_tables):
+   cos [d] and the sine with its first half negated, from its positions (one per axis). */
+static void rotary_tables(const struct epd_decoder *m, const struct epd_seqs *seqs, long s,
+                          float *cos, float *signed_sin) {
+    long half = m->head_dim / 2;
+    for (long j = 0; j < half; j++) {
+        float angle = (float)seqs->positions[m->freq_axis[j] * seqs->position_stride + s];
+        angle *= m->inv_freq[j];
+        cos[j] = cos[j + half] = cosf(angle);
+        signed_sin[j + half] = sinf(angle);
+        signed_sin[j] = -signed_sin[j + half];
+    }
 }
 
 /* One head rotated in place: x * cos + roll(x, half) * signed_sin (models/layers.py). */
@@ -233,11 +255,11 @@ static void attend(const struct epd_decoder *m, const struct epd_layer *layer,
     }
 }
 
-/* Every layer on the new tokens of the sequences: x [S, hidden] in place (the residual
-   streams), cos / signed_sin [S, head_dim] their rotary tables. 0; -1 when there is no memory
-   for the scratch, -2 when a length does not fit its table or S is not 1 .. MAX_SEQS. */
-int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, float *x,
-                      const float *cos, const float *signed_sin, int threads) {
+/* Every layer on the new tokens of the sequences, their embeddings x_in [S, hidden], then the
+   final norm: out [S, hidden]. 0; -1 when there is no memory for the scratch, -2 when a length
+   does not fit its table or S is not 1 .. MAX_SEQS. */
+int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, const float *x_in,
+                      float *out, int threads) {
     long n = m->hidden, d = m->head_dim, heads = m->heads, kvh = m->kv_heads, S = seqs->S;
     long inter = m->intermediate, qkv_rows = (heads + 2 * kvh) * d, bs = m->block_size;
     long longest = 0, slots[MAX_SEQS];
@@ -248,10 +270,14 @@ int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, 
         slots[s] = slot_of(seqs, s, len - 1, bs);
         longest = len > longest ? len : longest;
     }
-    float *h = malloc(S * (n + qkv_rows + heads * d + 2 * inter + heads * longest) * sizeof *h);
-    if (!h) return -1;
-    float *qkv = h + S * n, *att = qkv + S * qkv_rows, *gate_up = att + S * heads * d;
+    float *x = malloc(S * (2 * n + 2 * d + qkv_rows + heads * d + 2 * inter + heads * longest) *
+                      sizeof *x);
+    if (!x) return -1;
+    float *h = x + S * n, *cos = h + S * n, *signed_sin = cos + S * d, *qkv = signed_sin + S * d;
+    float *att = qkv + S * qkv_rows, *gate_up = att + S * heads * d;
     float *scores = gate_up + S * 2 * inter;
+    memcpy(x, x_in, S * n * sizeof *x); /* the residual streams */
+    for (long s = 0; s < S; s++) rotary_tables(m, seqs, s, cos + s * d, signed_sin + s * d);
     long kv = kvh * d; /* one token's keys (or values) in a layer */
     for (long l = 0; l < m->num_layers; l++) {
         const struct epd_layer *layer = m->layers + l;
@@ -261,8 +287,8 @@ int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, 
             float *row = qkv + s * qkv_rows;
             for (long head = 0; head < heads + kvh; head++) /* q's heads, then k's */
                 rotate(row + head * d, cos + s * d, signed_sin + s * d, d);
-            memcpy(layer->k_cache + slots[s] * kv, row + heads * d, kv * sizeof *h);
-            memcpy(layer->v_cache + slots[s] * kv, row + heads * d + kv, kv * sizeof *h);
+            memcpy(layer->k_cache + slots[s] * kv, row + heads * d, kv * sizeof *x);
+            memcpy(layer->v_cache + slots[s] * kv, row + heads * d + kv, kv * sizeof *x);
         }
         attend(m, layer, seqs, qkv, longest, scores, att, threads);
         products_for(S, layer->o_w, att, NULL, h, n, heads * d, threads);
@@ -274,10 +300,11 @@ int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, 
             for (long i = 0; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
         for (long s = 0; s < S; s++) /* down's input rows: each sequence's g, packed */
-            memmove(gate_up + s * inter, gate_up + s * 2 * inter, inter * sizeof *h);
+            memmove(gate_up + s * inter, gate_up + s * 2 * inter, inter * sizeof *x);
         products_for(S, layer->down_w, gate_up, NULL, h, n, inter, threads);
         for (long i = 0; i < S * n; i++) x[i] += h[i];
     }
-    free(h);
+    for (long s = 0; s < S; s++) rms_norm(x + s * n, m->final_norm, out + s * n, n, m->eps);
+    free(x);
     return 0;
 }

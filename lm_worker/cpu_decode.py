@@ -3,7 +3,8 @@
 On a CPU a batch-1 decode step is bound by streaming the weights, and our gemv streams them at
 about a sum's rate; what is left is dispatch: each layer is some 30 torch operators (norms,
 rotary, the KV write, attention, SiLU, residual adds) of a few microseconds each, about a
-quarter of a step of the bench's model. `FusedDecode` runs the same operations in C, on the
+quarter of a step of the bench's model, and each step's first operators run from caches the
+weights' stream has just emptied. `FusedDecode` runs the same operations in C, on the
 model's own weights and the engine's paged KV cache, for decode steps of one to eight
 sequences; its products read each weight row once for all of them, so two sequences cost
 about what one does (torch's batch kernels read a few rows at half that rate or less). Every
@@ -47,6 +48,9 @@ class _Decoder(ctypes.Structure):  # struct epd_decoder
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("layers", ctypes.POINTER(_Layer)),
+        ("final_norm", ctypes.c_void_p),
+        ("inv_freq", ctypes.c_void_p),
+        ("freq_axis", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -57,6 +61,8 @@ class _Seqs(ctypes.Structure):  # struct epd_seqs
         ("table_stride", ctypes.c_long),
         ("max_blocks", ctypes.c_long),
         ("lens", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
+        ("position_stride", ctypes.c_long),
     ]
 
 
@@ -64,10 +70,10 @@ MAX_SEQS = 8  # cpu_decode.c's MAX_SEQS
 
 
 class FusedDecode:
-    """The model's decoder layers for a decode step of 1 .. `max_seqs` sequences (one new
-    token each), in C. Called as the model's `fused_decode(x, cos, sin, attn_metadata)`: the
-    layers' output [S, hidden] (the final norm not applied), or None for a step it does not
-    take (prefill, more sequences)."""
+    """The model's decoder layers and final norm for a decode step of 1 .. `max_seqs` sequences
+    (one new token each), in C. Called as the model's `fused_decode(x, positions,
+    attn_metadata)` with the forward's inputs: the final norm's output [S, hidden], or None for
+    a step it does not take (prefill, more sequences)."""
 
     def __init__(self, model: nn.Module, attention: PagedAttention, max_seqs: int = MAX_SEQS):
         why = why_not_fused(model, attention)
@@ -97,6 +103,11 @@ class FusedDecode:
                 )
             )
         self._layers = (_Layer * len(layers))(*layers)
+        # Rotary (models/qwen2_vl/rope.py): frequency chunk i turns with position axis i % 3.
+        rotary = model.rotary
+        self._inv_freq = rotary.inv_freq.float().contiguous()
+        axes = [i % 3 for i, size in enumerate(rotary.mrope_section) for _ in range(size)]
+        self._freq_axis = torch.tensor(axes, dtype=torch.int32)
         self._decoder = _Decoder(
             c.num_layers,
             c.hidden_size,
@@ -108,15 +119,17 @@ class FusedDecode:
             model.norm.eps,
             attention.scale,
             self._layers,
+            model.norm.weight.data_ptr(),
+            self._inv_freq.data_ptr(),
+            self._freq_axis.data_ptr(),
         )
         # The pointers above are into these tensors: they live as long as this object.
-        self._tensors = [*model.parameters(), attention.kv_cache]
+        self._tensors = [*model.parameters(), attention.kv_cache, self._inv_freq, self._freq_axis]
 
     def __call__(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # rotary_tables: [T, 1, head_dim]
-        signed_sin: torch.Tensor,
+        positions: torch.Tensor,  # [3, T] (M-RoPE) or [T]
         meta: PagedAttentionMetadata,
     ) -> torch.Tensor | None:
         S = x.shape[0]
@@ -127,16 +140,24 @@ class FusedDecode:
             or self.attention.on_layer_written is not None  # the KV connector's per-layer save
         ):
             return None
-        out = x.clone()  # x may be the runner's input buffer
+        x = x.contiguous()
+        out = torch.empty_like(x)
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
-        assert tables.stride(1) == 1 and lens.is_contiguous()
-        seqs = _Seqs(S, tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr())
+        assert tables.stride(1) == 1 and lens.is_contiguous() and positions.stride(-1) == 1
+        seqs = _Seqs(
+            S,
+            tables.data_ptr(),
+            tables.stride(0),
+            tables.shape[1],
+            lens.data_ptr(),
+            positions.data_ptr(),
+            positions.stride(0) if positions.dim() == 2 else 0,  # [T]: one axis for all
+        )
         failed = self._run(
             ctypes.byref(self._decoder),
             ctypes.byref(seqs),
+            x.data_ptr(),
             out.data_ptr(),
-            cos.contiguous().data_ptr(),
-            signed_sin.contiguous().data_ptr(),
             torch.get_num_threads(),
         )
         if failed == -1:

@@ -165,7 +165,7 @@ def c_library() -> tuple[ctypes.CDLL | None, str]:
         function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int]
     lib.epd_gemv.restype = None
     lib.epd_gemv_bf16.restype = ctypes.c_int
-    lib.epd_decode_layers.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int]
+    lib.epd_decode_layers.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int]
     lib.epd_decode_layers.restype = ctypes.c_int
     _OPS["gemv"], _OPS["gemv_bf16"] = lib.epd_gemv, lib.epd_gemv_bf16
     return lib, ""

@@ -88,8 +88,8 @@ def test_the_engine_on_fused_layers_gives_the_reference_tokens(tiny_checkpoint, 
     model = engine.runner.model
     fused, taken = model.fused_decode, []
 
-    def counted(x, cos, sin, meta):
-        out = fused(x, cos, sin, meta)
+    def counted(x, positions, meta):
+        out = fused(x, positions, meta)
         taken.append((x.shape[0], meta.num_decodes, out is not None))
         return out
 

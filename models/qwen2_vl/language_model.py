@@ -105,9 +105,9 @@ class Qwen2LanguageModel(nn.Module):
     requires_raw_input_tokens = False
     supports_realtime = False
     supports_multimodal_pruning = True  # EVS: the model state strips position channels
-    # Every layer of a decode step of one sequence in one call (the LM worker sets it on a CPU:
-    # lm_worker/cpu_decode.py): (x, cos, sin, attn_metadata) -> the layers' output, or None
-    # for a step it does not take.
+    # Every layer and the final norm of a decode step of a few sequences in one call (the LM
+    # worker sets it on a CPU: lm_worker/cpu_decode.py): (x, positions, attn_metadata) -> the
+    # forward's output, or None for a step it does not take.
     fused_decode: Callable[..., torch.Tensor | None] | None = None
 
     def __init__(self, config: TextConfig, attn_backend: AttentionBackend):
@@ -176,11 +176,11 @@ class Qwen2LanguageModel(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         assert intermediate_tensors is None, "pipeline parallelism is not supported"
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = rotary_tables(*self.rotary(positions, x.dtype))
         if self.fused_decode is not None:
-            fused = self.fused_decode(x, cos, sin, attn_metadata)
-            if fused is not None:
-                return self.norm(fused)
+            out = self.fused_decode(x, positions, attn_metadata)
+            if out is not None:
+                return out
+        cos, sin = rotary_tables(*self.rotary(positions, x.dtype))
         for layer in self.layers:
             x = layer(x, cos, sin, attn_metadata)
         return self.norm(x)
