@@ -477,8 +477,9 @@ class LMConfig:
     cpu_linear: Literal["auto", CPULinearKernel] = "auto"
     # CPU decode steps of up to 8 sequences through every decoder layer in one C call
     # (lm_worker/cpu_decode.py; its products read each weight row once for all of them): auto
-    # (float32 Qwen2 decoders, for the sequence counts where it is measured faster than the
-    # torch modules at start-up), on (up to 8 sequences; an error where it cannot run), off.
+    # (Qwen2 decoders in float32 or bf16, for the sequence counts where it is measured faster
+    # than the torch modules at start-up), on (up to 8 sequences; an error where it cannot
+    # run), off.
     cpu_fused_decode: Literal["auto", "on", "off"] = "auto"
     # How long a request may wait for its embeddings to appear in the cache.
     embedding_timeout_seconds: float = 120.0

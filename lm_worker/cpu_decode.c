@@ -76,15 +76,18 @@ static inline float dot(const void *w, const float *x, long k, int bf16) {
     return acc;
 }
 
-static void products(const float *w, const float *x, const float *b, float *y, long n, long k,
-                     int threads) {
+/* y = W x (+ b) in fp32, W and b in fp32 or (bf16) bf16. */
+static void products(const void *w, const float *x, const void *b, float *y, long n, long k,
+                     int bf16, int threads) {
+    size_t row = k * (bf16 ? 2 : 4);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long r = 0; r < n; r++) y[r] = dot(w + r * k, x, k, 0) + (b ? b[r] : 0.0f);
+    for (long r = 0; r < n; r++)
+        y[r] = dot((const char *)w + r * row, x, k, bf16) + (b ? weight(b, r, bf16) : 0.0f);
 }
 
 void epd_gemv(const float *w, const float *x, const float *b, float *y, long n, long k,
               int threads) {
-    products(w, x, b, y, n, k, threads);
+    products(w, x, b, y, n, k, 0, threads);
 }
 
 /* x, b and y in bf16 too; x is widened once, before the threads start. 0, or -1 when there
@@ -103,30 +106,31 @@ int epd_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
 
 /* ---- Decoder layers for a few sequences ---------------------------------------------------------
 
-A decode step of one to eight sequences (one new token each) through Qwen2's decoder layers
-(fp32), all of it here, for each sequence:
+A decode step of one to eight sequences (one new token each) through Qwen2's decoder layers,
+all of it here, for each sequence:
     h = rms_norm(x) * norm1;  q, k, v = qkv_w h + qkv_b;  q, k rotated (rotary tables);
     k, v written into the sequence's slot of the paged cache;  a = attention(q, its keys);
-    x += o_w a;  h = rms_norm(x) * norm2;  g, u = gate_up_w h;  x += down_w (silu(g) * u).
-In torch each of those is an operator dispatched on its own: a few microseconds each, about 30
-a layer, a quarter of a step of the bench's model where the products stream 300 MB. Here they
-cost what their arithmetic costs. The products read each weight row once for all the step's
-sequences (`dot_rows`): two sequences cost about what one does, where torch's batch kernels
-read a few rows at half the rate or less. The operations and their order are torch's
-(lm_worker/attention.py, models/layers.py), so the results agree to the rounding of sums taken
-in another order. */
+    x += o_w a;  h = rms_norm(x) * norm2;  g, u = gate_up_w h;  x += down_w (silu(g) * u);
+then the final norm. In torch each of those is an operator dispatched on its own: a few
+microseconds each, about 30 a layer, a quarter of a step of the bench's model where the
+products stream 300 MB. Here they cost what their arithmetic costs. The products read each
+weight row once for all the step's sequences (`dot_rows`): two sequences cost about what one
+does, where torch's batch kernels read a few rows at half the rate or less. The operations and
+their order are torch's (lm_worker/attention.py, models/layers.py), so the results agree to
+the rounding of sums taken in another order. In bf16 (weights, KV cache, input and output)
+the arithmetic is fp32, each value rounded to bf16 where torch's would be a bf16 tensor. */
 
 #define MAX_SEQS 8
 
 /* out[s] = w . x[s] for the rows x[0 .. S-1] (each k long, one after another): the weight row
-   is loaded once for all of them. S is a constant where products() calls it. */
-static inline __attribute__((always_inline)) void dot_rows(const float *w, const float *x,
-                                                           long k, int S, float *out) {
+   is loaded once for all of them. S and bf16 are constants where products_for() calls it. */
+static inline __attribute__((always_inline)) void dot_rows(const void *w, const float *x, long k,
+                                                           int S, int bf16, float *out) {
     vec a[MAX_SEQS][2];
     for (int s = 0; s < S; s++) a[s][0] = a[s][1] = (vec){0};
     long i = 0;
     for (; i + 32 <= k; i += 32) {
-        vec w0 = load(w + i), w1 = load(w + i + 16);
+        vec w0 = load_w(w, i, bf16), w1 = load_w(w, i + 16, bf16);
         for (int s = 0; s < S; s++) {
             a[s][0] += w0 * load(x + s * k + i);
             a[s][1] += w1 * load(x + s * k + i + 16);
@@ -137,49 +141,57 @@ static inline __attribute__((always_inline)) void dot_rows(const float *w, const
         for (int half = 8; half > 0; half /= 2)
             for (int j = 0; j < half; j++) v[j] += v[j + half];
         out[s] = v[0];
-        for (long j = i; j < k; j++) out[s] += w[j] * x[s * k + j];
+        for (long j = i; j < k; j++) out[s] += weight(w, j, bf16) * x[s * k + j];
     }
 }
 
+#define ROWS(S, BF16)                                                                       \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                       \
+    for (long r = 0; r < n; r++) {                                                          \
+        float o[S];                                                                         \
+        dot_rows((const char *)w + r * row, x, k, S, BF16, o);                              \
+        for (int s = 0; s < S; s++) y[s * n + r] = o[s] + (b ? weight(b, r, BF16) : 0.0f);  \
+    }
 #define ROWS_CASE(S)                                                                        \
     case S:                                                                                 \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                   \
-        for (long r = 0; r < n; r++) {                                                      \
-            float o[S];                                                                     \
-            dot_rows(w + r * k, x, k, S, o);                                                \
-            for (int s = 0; s < S; s++) y[s * n + r] = o[s] + (b ? b[r] : 0.0f);            \
+        if (bf16) {                                                                         \
+            ROWS(S, 1)                                                                      \
+        } else {                                                                            \
+            ROWS(S, 0)                                                                      \
         }                                                                                   \
         break;
 
-/* y[s] = W x[s] (+ b) for the step's S sequences: y [S, n], x [S, k]. */
-static void products_for(int S, const float *w, const float *x, const float *b, float *y, long n,
-                         long k, int threads) {
+/* y[s] = W x[s] (+ b) for the step's S sequences, in fp32: y [S, n], x [S, k]. */
+static void products_for(int S, const void *w, const float *x, const void *b, float *y, long n,
+                         long k, int bf16, int threads) {
+    size_t row = k * (bf16 ? 2 : 4);
     switch (S) {
-    case 1: products(w, x, b, y, n, k, threads); break; /* four sums a row: one stream */
+    case 1: products(w, x, b, y, n, k, bf16, threads); break; /* four sums a row: one stream */
     ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
     }
 }
 
-struct epd_layer { /* one layer's tensors, fp32 and contiguous */
-    const float *norm1;       /* [hidden] */
-    const float *qkv_w;       /* [(heads + 2 kv_heads) head_dim, hidden]: q, k, v stacked */
-    const float *qkv_b;       /* [(heads + 2 kv_heads) head_dim], or NULL */
-    const float *o_w;         /* [hidden, heads head_dim] */
-    const float *norm2;       /* [hidden] */
-    const float *gate_up_w;   /* [2 intermediate, hidden]: gate, then up */
-    const float *down_w;      /* [hidden, intermediate] */
-    float *k_cache, *v_cache; /* [slots, kv_heads, head_dim]: slot = block * block_size + i */
+struct epd_layer { /* one layer's tensors, contiguous, fp32 or (the decoder's bf16) bf16 */
+    const void *norm1;        /* [hidden] */
+    const void *qkv_w;        /* [(heads + 2 kv_heads) head_dim, hidden]: q, k, v stacked */
+    const void *qkv_b;        /* [(heads + 2 kv_heads) head_dim], or NULL */
+    const void *o_w;          /* [hidden, heads head_dim] */
+    const void *norm2;        /* [hidden] */
+    const void *gate_up_w;    /* [2 intermediate, hidden]: gate, then up */
+    const void *down_w;       /* [hidden, intermediate] */
+    void *k_cache, *v_cache;  /* [slots, kv_heads, head_dim]: slot = block * block_size + i */
 };
 
 struct epd_decoder {
     long num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
     float eps, scale; /* RMSNorm's epsilon; attention's scale (head_dim ** -0.5) */
     const struct epd_layer *layers;
-    const float *final_norm; /* [hidden] */
-    /* Rotary: frequency j < head_dim / 2 turns with inv_freq[j] times the position on axis
-       freq_axis[j] (M-RoPE: time, height, width; one axis for plain RoPE). */
+    const void *final_norm; /* [hidden] */
+    /* Rotary: frequency j < head_dim / 2 turns with inv_freq[j] (fp32) times the position on
+       axis freq_axis[j] (M-RoPE: time, height, width; one axis for plain RoPE). */
     const float *inv_freq;
     const int32_t *freq_axis;
+    long bf16; /* the layers' tensors, the KV cache, input and output in bf16 */
 };
 
 /* The step's sequences: S of them, sequence s with block table tables[s * table_stride ..]
@@ -198,10 +210,14 @@ static inline long slot_of(const struct epd_seqs *q, long s, long t, long bs) {
     return q->tables[s * q->table_stride + t / bs] * bs + t % bs;
 }
 
-/* y = x / sqrt(mean(x * x) + eps) * weight, as models/layers.py's RMSNorm in fp32. */
-static void rms_norm(const float *x, const float *weight, float *y, long n, float eps) {
+/* A value as a bf16 tensor of torch's would hold it (bf16), or as it is. */
+static inline float rnd(float v, int bf16) { return bf16 ? from_bf16(to_bf16(v)) : v; }
+
+/* y = rms_norm(x) * weight, as models/layers.py's RMSNorm: in fp32 x * scale * weight; in
+   bf16 the normalised x rounded, then its product with the weight. */
+static void rms_norm(const float *x, const void *w, float *y, long n, float eps, int bf16) {
     float scale = 1.0f / sqrtf(dot(x, x, n, 0) / (float)n + eps);
-    for (long i = 0; i < n; i++) y[i] = x[i] * scale * weight[i];
+    for (long i = 0; i < n; i++) y[i] = rnd(rnd(x[i] * scale, bf16) * weight(w, i, bf16), bf16);
 }
 
 /* A token's rotary tables (models/qwen2_vl/rope.py, then models/layers.py's rotary_tables):
@@ -212,18 +228,27 @@ static void rotary_tables(const struct epd_decoder *m, const struct epd_seqs *se
     for (long j = 0; j < half; j++) {
         float angle = (float)seqs->positions[m->freq_axis[j] * seqs->position_stride + s];
         angle *= m->inv_freq[j];
-        cos[j] = cos[j + half] = cosf(angle);
-        signed_sin[j + half] = sinf(angle);
+        cos[j] = cos[j + half] = rnd(cosf(angle), m->bf16);
+        signed_sin[j + half] = rnd(sinf(angle), m->bf16);
         signed_sin[j] = -signed_sin[j + half];
     }
 }
 
 /* One head rotated in place: x * cos + roll(x, half) * signed_sin (models/layers.py). */
-static void rotate(float *x, const float *cos, const float *signed_sin, long d) {
+static void rotate(float *x, const float *cos, const float *signed_sin, long d, int bf16) {
     float rolled[d];
     long half = d / 2;
-    for (long i = 0; i < d; i++) rolled[i] = x[(i + half) % d];
-    for (long i = 0; i < d; i++) x[i] = x[i] * cos[i] + rolled[i] * signed_sin[i];
+    for (long i = 0; i < d; i++) rolled[i] = rnd(x[(i + half) % d] * signed_sin[i], bf16);
+    for (long i = 0; i < d; i++) x[i] = rnd(rnd(x[i] * cos[i], bf16) + rolled[i], bf16);
+}
+
+/* One token's keys or values into its cache slot (fp32 or bf16). */
+static void store(void *cache, long at, const float *v, long n, int bf16) {
+    if (!bf16) {
+        memcpy((float *)cache + at, v, n * sizeof *v);
+        return;
+    }
+    for (long i = 0; i < n; i++) ((uint16_t *)cache)[at + i] = to_bf16(v[i]);
 }
 
 /* For each sequence s and query head h: out = softmax(q . keys * scale) . values over the
@@ -234,6 +259,8 @@ static void attend(const struct epd_decoder *m, const struct epd_layer *layer,
                    float *out, int threads) {
     long d = m->head_dim, heads = m->heads, kvh = m->kv_heads, group = heads / kvh;
     long bs = m->block_size, q_stride = (heads + 2 * kvh) * d;
+    int bf16 = m->bf16;
+    size_t item = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long sh = 0; sh < seqs->S * heads; sh++) {
         long s = sh / heads, h = sh % heads, head = h / group, len = seqs->lens[s];
@@ -241,28 +268,29 @@ static void attend(const struct epd_decoder *m, const struct epd_layer *layer,
         float *sc = scores + sh * longest, *o = out + s * heads * d + h * d;
         float top = -INFINITY, total = 0.0f;
         for (long t = 0; t < len; t++) {
-            long slot = slot_of(seqs, s, t, bs);
-            sc[t] = dot(layer->k_cache + (slot * kvh + head) * d, qh, d, 0) * m->scale;
+            long at = (slot_of(seqs, s, t, bs) * kvh + head) * d;
+            sc[t] = dot((const char *)layer->k_cache + at * item, qh, d, bf16) * m->scale;
             top = sc[t] > top ? sc[t] : top;
         }
         for (long t = 0; t < len; t++) total += sc[t] = expf(sc[t] - top);
         for (long i = 0; i < d; i++) o[i] = 0.0f;
         for (long t = 0; t < len; t++) {
-            const float *v = layer->v_cache + (slot_of(seqs, s, t, bs) * kvh + head) * d;
-            for (long i = 0; i < d; i++) o[i] += sc[t] * v[i];
+            long at = (slot_of(seqs, s, t, bs) * kvh + head) * d;
+            for (long i = 0; i < d; i++) o[i] += sc[t] * weight(layer->v_cache, at + i, bf16);
         }
-        for (long i = 0; i < d; i++) o[i] /= total;
+        for (long i = 0; i < d; i++) o[i] = rnd(o[i] / total, bf16);
     }
 }
 
 /* Every layer on the new tokens of the sequences, their embeddings x_in [S, hidden], then the
-   final norm: out [S, hidden]. 0; -1 when there is no memory for the scratch, -2 when a length
-   does not fit its table or S is not 1 .. MAX_SEQS. */
-int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, const float *x_in,
-                      float *out, int threads) {
+   final norm: out [S, hidden] (x_in and out fp32, or bf16). 0; -1 when there is no memory for
+   the scratch, -2 when a length does not fit its table or S is not 1 .. MAX_SEQS. */
+int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, const void *x_in,
+                      void *out, int threads) {
     long n = m->hidden, d = m->head_dim, heads = m->heads, kvh = m->kv_heads, S = seqs->S;
     long inter = m->intermediate, qkv_rows = (heads + 2 * kvh) * d, bs = m->block_size;
     long longest = 0, slots[MAX_SEQS];
+    int bf16 = m->bf16;
     if (S < 1 || S > MAX_SEQS) return -2;
     for (long s = 0; s < S; s++) {
         long len = seqs->lens[s];
@@ -276,35 +304,47 @@ int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, 
     float *h = x + S * n, *cos = h + S * n, *signed_sin = cos + S * d, *qkv = signed_sin + S * d;
     float *att = qkv + S * qkv_rows, *gate_up = att + S * heads * d;
     float *scores = gate_up + S * 2 * inter;
-    memcpy(x, x_in, S * n * sizeof *x); /* the residual streams */
+    for (long i = 0; i < S * n; i++) x[i] = weight(x_in, i, bf16); /* the residual streams */
     for (long s = 0; s < S; s++) rotary_tables(m, seqs, s, cos + s * d, signed_sin + s * d);
     long kv = kvh * d; /* one token's keys (or values) in a layer */
     for (long l = 0; l < m->num_layers; l++) {
         const struct epd_layer *layer = m->layers + l;
-        for (long s = 0; s < S; s++) rms_norm(x + s * n, layer->norm1, h + s * n, n, m->eps);
-        products_for(S, layer->qkv_w, h, layer->qkv_b, qkv, qkv_rows, n, threads);
+        for (long s = 0; s < S; s++) rms_norm(x + s * n, layer->norm1, h + s * n, n, m->eps, bf16);
+        products_for(S, layer->qkv_w, h, layer->qkv_b, qkv, qkv_rows, n, bf16, threads);
         for (long s = 0; s < S; s++) {
             float *row = qkv + s * qkv_rows;
+            for (long i = 0; bf16 && i < qkv_rows; i++) row[i] = rnd(row[i], 1);
             for (long head = 0; head < heads + kvh; head++) /* q's heads, then k's */
-                rotate(row + head * d, cos + s * d, signed_sin + s * d, d);
-            memcpy(layer->k_cache + slots[s] * kv, row + heads * d, kv * sizeof *x);
-            memcpy(layer->v_cache + slots[s] * kv, row + heads * d + kv, kv * sizeof *x);
+                rotate(row + head * d, cos + s * d, signed_sin + s * d, d, bf16);
+            store(layer->k_cache, slots[s] * kv, row + heads * d, kv, bf16);
+            store(layer->v_cache, slots[s] * kv, row + heads * d + kv, kv, bf16);
         }
         attend(m, layer, seqs, qkv, longest, scores, att, threads);
-        products_for(S, layer->o_w, att, NULL, h, n, heads * d, threads);
-        for (long i = 0; i < S * n; i++) x[i] += h[i];
-        for (long s = 0; s < S; s++) rms_norm(x + s * n, layer->norm2, h + s * n, n, m->eps);
-        products_for(S, layer->gate_up_w, h, NULL, gate_up, 2 * inter, n, threads);
+        products_for(S, layer->o_w, att, NULL, h, n, heads * d, bf16, threads);
+        for (long i = 0; i < S * n; i++) x[i] = rnd(rnd(h[i], bf16) + x[i], bf16);
+        for (long s = 0; s < S; s++) rms_norm(x + s * n, layer->norm2, h + s * n, n, m->eps, bf16);
+        products_for(S, layer->gate_up_w, h, NULL, gate_up, 2 * inter, n, bf16, threads);
         for (long s = 0; s < S; s++) { /* silu(g) * u, into g's place */
             float *g = gate_up + s * 2 * inter, *u = g + inter;
-            for (long i = 0; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+            for (long i = 0; i < inter; i++) {
+                float gi = rnd(g[i], bf16);
+                g[i] = rnd(rnd(gi / (1.0f + expf(-gi)), bf16) * rnd(u[i], bf16), bf16);
+            }
         }
         for (long s = 0; s < S; s++) /* down's input rows: each sequence's g, packed */
             memmove(gate_up + s * inter, gate_up + s * 2 * inter, inter * sizeof *x);
-        products_for(S, layer->down_w, gate_up, NULL, h, n, inter, threads);
-        for (long i = 0; i < S * n; i++) x[i] += h[i];
+        products_for(S, layer->down_w, gate_up, NULL, h, n, inter, bf16, threads);
+        for (long i = 0; i < S * n; i++) x[i] = rnd(rnd(h[i], bf16) + x[i], bf16);
     }
-    for (long s = 0; s < S; s++) rms_norm(x + s * n, m->final_norm, out + s * n, n, m->eps);
+    for (long s = 0; s < S; s++) {
+        rms_norm(x + s * n, m->final_norm, h + s * n, n, m->eps, bf16);
+        for (long i = 0; i < n; i++) {
+            if (bf16)
+                ((uint16_t *)out)[s * n + i] = to_bf16(h[s * n + i]);
+            else
+                ((float *)out)[s * n + i] = h[s * n + i];
+        }
+    }
     free(x);
     return 0;
 }

@@ -10,8 +10,9 @@ sequences; its products read each weight row once for all of them, so two sequen
 about what one does (torch's batch kernels read a few rows at half that rate or less). Every
 other step (prefill, larger batches) runs the torch modules as before.
 
-It serves Qwen2's decoder (both VL families) in float32 with merged projections, and is kept
-for the sequence counts where it is measured faster than the modules at start-up
+It serves Qwen2's decoder (both VL families) in float32 or bfloat16 (computing in float32 and
+rounding where torch's bf16 tensors round) with merged projections, and is kept for the
+sequence counts where it is measured faster than the modules at start-up
 (`choose_fused_decode`).
 """
 
@@ -51,6 +52,7 @@ class _Decoder(ctypes.Structure):  # struct epd_decoder
         ("final_norm", ctypes.c_void_p),
         ("inv_freq", ctypes.c_void_p),
         ("freq_axis", ctypes.c_void_p),
+        ("bf16", ctypes.c_long),
     ]  # fmt: skip
 
 
@@ -122,6 +124,7 @@ class FusedDecode:
             model.norm.weight.data_ptr(),
             self._inv_freq.data_ptr(),
             self._freq_axis.data_ptr(),
+            model.norm.weight.dtype == torch.bfloat16,
         )
         # The pointers above are into these tensors: they live as long as this object.
         self._tensors = [*model.parameters(), attention.kv_cache, self._inv_freq, self._freq_axis]
@@ -177,8 +180,11 @@ def why_not_fused(model: nn.Module, attention: PagedAttention) -> str:
     if not isinstance(model, Qwen2LanguageModel):
         return f"it runs Qwen2's decoder layers, not {type(model).__name__}'s"
     cache = attention.kv_cache
-    if cache is None or cache.device.type != "cpu" or cache.dtype != torch.float32:
-        return "it needs a float32 KV cache on the CPU"
+    dtype = model.norm.weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"it runs float32 or bfloat16 models, not {dtype}"
+    if cache is None or cache.device.type != "cpu" or cache.dtype != dtype:
+        return f"it needs a {dtype} KV cache on the CPU"
     c = model.config
     if c.num_heads % c.num_kv_heads:
         return "query heads must be a multiple of the KV heads"
@@ -193,8 +199,8 @@ def why_not_fused(model: nn.Module, attention: PagedAttention) -> str:
             if m.weight is None:
                 return "the layers' dense weights were dropped (a packed kernel's choice)"
         for p in layer.parameters():
-            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
-                return f"it runs contiguous float32 weights on the CPU, not {p.dtype} on {p.device}"
+            if p.dtype != dtype or p.device.type != "cpu" or not p.is_contiguous():
+                return f"it runs contiguous {dtype} weights on the CPU, not {p.dtype} on {p.device}"
     return ""
 
 

@@ -96,7 +96,7 @@ def test_bench_lm(tiny_checkpoint):
         *args, "--hf-batch", "2", "--rounds", "1", "--dtype", "bfloat16", "--few-streams", "0"
     )
     assert bf16["dtype"] == "bfloat16" and bf16["batch1_ours_tps"] > 0
-    assert "few_streams" not in bf16 and bf16["fused_decode"] is False  # float32 only
+    assert "few_streams" not in bf16
     assert bf16["batch1_hf_tps"] > 0 and bf16["streams_vs_hf_batch"] > 0
     assert bf16["weight_bytes"] * 2 == summary["weight_bytes"]
 
