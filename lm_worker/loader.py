@@ -162,11 +162,14 @@ def _choose_fused_decode(lm: LMConfig, runner: ModelRunner) -> None:
     model, attention = runner.model, runner.attention
     if lm.cpu_fused_decode == "off":
         return
+    why = why_not_fused(model, attention)
     if lm.cpu_fused_decode == "on":
-        why = why_not_fused(model, attention)
         if why:
             raise RuntimeError(f"lm.cpu_fused_decode is on but cannot run here: {why}")
         model.fused_decode = FusedDecode(model, attention)
+        return
+    if why:
+        logger.info("CPU decode steps run the torch modules (no fused decode: %s)", why)
         return
 
     def step(num_seqs: int) -> None:
