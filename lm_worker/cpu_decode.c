@@ -1,6 +1,7 @@
-/* CPU decode of one sequence in C: one-row matrix products, y = W x (+ b), W row-major [n, k],
-in fp32 or bf16 (bf16: the weight is widened to fp32 as it is read, sums in fp32, the result
-rounded to bf16); and, around them, whole decoder layers (the second half of this file).
+/* CPU decode in C: one-row matrix products, y = W x (+ b), W row-major [n, k], in fp32 or bf16
+(bf16: the weight is widened to fp32 as it is read, sums in fp32, the result rounded to bf16);
+and, around them, whole decoder layers for decode steps of a few sequences (the second half of
+this file, called by lm_worker/cpu_decode.py).
 
 A decode step of one sequence is a chain of such products, and its speed is how fast the
 weights stream from memory. Each thread takes a contiguous run of rows and reads each row
@@ -77,12 +78,19 @@ static inline float dot(const void *w, const float *x, long k, int bf16) {
 }
 
 /* y = W x (+ b) in fp32, W and b in fp32 or (bf16) bf16. */
+#define PRODUCTS(BF16)                                                                      \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                       \
+    for (long r = 0; r < n; r++)                                                            \
+        y[r] = dot((const char *)w + r * row, x, k, BF16) + (b ? weight(b, r, BF16) : 0.0f);
+
 static void products(const void *w, const float *x, const void *b, float *y, long n, long k,
                      int bf16, int threads) {
     size_t row = k * (bf16 ? 2 : 4);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long r = 0; r < n; r++)
-        y[r] = dot((const char *)w + r * row, x, k, bf16) + (b ? weight(b, r, bf16) : 0.0f);
+    if (bf16) { /* a constant in each loop: one kind of load in it */
+        PRODUCTS(1)
+    } else {
+        PRODUCTS(0)
+    }
 }
 
 void epd_gemv(const float *w, const float *x, const float *b, float *y, long n, long k,
@@ -269,7 +277,8 @@ static void attend(const struct epd_decoder *m, const struct epd_layer *layer,
         float top = -INFINITY, total = 0.0f;
         for (long t = 0; t < len; t++) {
             long at = (slot_of(seqs, s, t, bs) * kvh + head) * d;
-            sc[t] = dot((const char *)layer->k_cache + at * item, qh, d, bf16) * m->scale;
+            const void *key = (const char *)layer->k_cache + at * item;
+            sc[t] = (bf16 ? dot(key, qh, d, 1) : dot(key, qh, d, 0)) * m->scale;
             top = sc[t] > top ? sc[t] : top;
         }
         for (long t = 0; t < len; t++) total += sc[t] = expf(sc[t] - top);

@@ -19,7 +19,6 @@ sequence counts where it is measured faster than the modules at start-up
 from __future__ import annotations
 
 import ctypes
-import logging
 import time
 from collections.abc import Callable
 
@@ -28,8 +27,6 @@ from torch import nn
 
 from lm_worker.attention import PagedAttention, PagedAttentionMetadata
 from lm_worker.cpu_kernels import c_library
-
-logger = logging.getLogger(__name__)
 
 
 class _Layer(ctypes.Structure):  # struct epd_layer

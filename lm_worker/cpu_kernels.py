@@ -155,7 +155,7 @@ def c_library() -> tuple[ctypes.CDLL | None, str]:
     try:
         lib = ctypes.CDLL(str(_built_library(compiler)))
     except (OSError, subprocess.SubprocessError) as e:  # a failed build, a noexec cache, ...
-        logger.warning("our gemv kernel cannot run: %s", e)
+        logger.warning("our C kernels (gemv, fused decode) cannot run: %s", e)
         return None, str(e)
     runtimes = _openmp_runtimes()
     if len(runtimes) != 1:
