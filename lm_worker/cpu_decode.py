@@ -10,8 +10,10 @@ sequences; its products read each weight row once for all of them, so two sequen
 about what one does (torch's batch kernels read a few rows at half that rate or less). Every
 other step (prefill, larger batches) runs the torch modules as before.
 
-It serves Qwen2's decoder (both VL families) in float32 or bfloat16 (computing in float32 and
-rounding where torch's bf16 tensors round) with merged projections, and is kept for the
+It serves any model that describes its decoder (`decoder_weights()`, models/layers.py's
+`DecoderWeights`: pre-norm layers with merged q / k / v and gate / up, rotary over up to three
+position axes) and takes the `fused_decode` hook in its forward, in float32 or bfloat16
+(computing in float32 and rounding where torch's bf16 tensors round), and is kept for the
 sequence counts where it is measured faster than the modules at start-up
 (`choose_fused_decode`).
 """
@@ -27,6 +29,7 @@ from torch import nn
 
 from lm_worker.attention import PagedAttention, PagedAttentionMetadata
 from lm_worker.cpu_kernels import c_library
+from models.layers import DecoderWeights
 
 
 class _Layer(ctypes.Structure):  # struct epd_layer
@@ -75,61 +78,50 @@ class FusedDecode:
     a step it does not take (prefill, more sequences)."""
 
     def __init__(self, model: nn.Module, attention: PagedAttention, max_seqs: int = MAX_SEQS):
-        why = why_not_fused(model, attention)
-        if why:
-            raise ValueError(f"no fused decode: {why}")
+        w = _described(model, attention)
+        if isinstance(w, str):
+            raise ValueError(f"no fused decode: {w}")
         if not 1 <= max_seqs <= MAX_SEQS:
             raise ValueError(f"max_seqs must be 1 .. {MAX_SEQS}, got {max_seqs}")
         self.attention = attention
         self.max_seqs = max_seqs
         self._run = c_library()[0].epd_decode_layers
-        c = model.config
-        layers = []
-        for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv_bias = attn.qkv_proj.bias
-            layers.append(
-                _Layer(
-                    layer.input_layernorm.weight.data_ptr(),
-                    attn.qkv_proj.weight.data_ptr(),
-                    qkv_bias.data_ptr() if qkv_bias is not None else None,
-                    attn.o_proj.weight.data_ptr(),
-                    layer.post_attention_layernorm.weight.data_ptr(),
-                    mlp.gate_up_proj.weight.data_ptr(),
-                    mlp.down_proj.weight.data_ptr(),
-                    attention.kv_cache[i, 0].data_ptr(),
-                    attention.kv_cache[i, 1].data_ptr(),
-                )
+        cache = attention.kv_cache
+        layers = [
+            _Layer(
+                *(t.data_ptr() if t is not None else None for t in (
+                    layer.norm1, layer.qkv, layer.qkv_bias, layer.o, layer.norm2, layer.gate_up,
+                    layer.down, cache[i, 0], cache[i, 1],
+                ))
             )
+            for i, layer in enumerate(w.layers)
+        ]  # fmt: skip
         self._layers = (_Layer * len(layers))(*layers)
-        # Rotary (models/qwen2_vl/rope.py): frequency chunk i turns with position axis i % 3.
-        rotary = model.rotary
-        self._inv_freq = rotary.inv_freq.float().contiguous()
-        axes = [i % 3 for i, size in enumerate(rotary.mrope_section) for _ in range(size)]
-        self._freq_axis = torch.tensor(axes, dtype=torch.int32)
+        self._inv_freq = w.inv_freq.float().contiguous()
+        self._freq_axis = torch.tensor(w.freq_axis, dtype=torch.int32)
         self._decoder = _Decoder(
-            c.num_layers,
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            c.intermediate_size,
+            len(w.layers),
+            w.final_norm.shape[0],
+            w.num_heads,
+            w.num_kv_heads,
+            w.head_dim,
+            w.intermediate_size,
             attention.block_size,
-            model.norm.eps,
+            w.eps,
             attention.scale,
             self._layers,
-            model.norm.weight.data_ptr(),
+            w.final_norm.data_ptr(),
             self._inv_freq.data_ptr(),
             self._freq_axis.data_ptr(),
-            model.norm.weight.dtype == torch.bfloat16,
+            w.final_norm.dtype == torch.bfloat16,
         )
         # The pointers above are into these tensors: they live as long as this object.
-        self._tensors = [*model.parameters(), attention.kv_cache, self._inv_freq, self._freq_axis]
+        self._tensors = [w, cache, self._inv_freq, self._freq_axis]
 
     def __call__(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [3, T] (M-RoPE) or [T]
+        positions: torch.Tensor,  # [axes, T] or [T]
         meta: PagedAttentionMetadata,
     ) -> torch.Tensor | None:
         S = x.shape[0]
@@ -169,36 +161,40 @@ class FusedDecode:
 
 def why_not_fused(model: nn.Module, attention: PagedAttention) -> str:
     """Why `FusedDecode` cannot run this model here ("" when it can)."""
-    from models.qwen2_vl.language_model import Qwen2LanguageModel
+    described = _described(model, attention)
+    return described if isinstance(described, str) else ""
 
+
+def _described(model: nn.Module, attention: PagedAttention) -> DecoderWeights | str:
+    """The model's decoder as the C reads it (its `decoder_weights()`), or why it cannot."""
     lib, why = c_library()
     if lib is None:
         return why
-    if not isinstance(model, Qwen2LanguageModel):
-        return f"it runs Qwen2's decoder layers, not {type(model).__name__}'s"
-    cache = attention.kv_cache
-    dtype = model.norm.weight.dtype
+    describe = getattr(model, "decoder_weights", None)
+    if describe is None or not hasattr(model, "fused_decode"):
+        return f"{type(model).__name__} does not describe its decoder (decoder_weights)"
+    w = describe()
+    if isinstance(w, str):
+        return w
+    dtype = w.final_norm.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         return f"it runs float32 or bfloat16 models, not {dtype}"
+    cache = attention.kv_cache
     if cache is None or cache.device.type != "cpu" or cache.dtype != dtype:
         return f"it needs a {dtype} KV cache on the CPU"
-    c = model.config
-    if c.num_heads % c.num_kv_heads:
+    if w.num_heads % w.num_kv_heads:
         return "query heads must be a multiple of the KV heads"
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if attn.qkv_proj is None or mlp.gate_up_proj is None:
-            return "it needs the merged projections (merge_projections)"
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if attn.o_proj.bias is not None:
-            return "o_proj has a bias"
-        for m in linears:
-            if m.weight is None:
+    if len(w.freq_axis) != w.head_dim // 2 or max(w.freq_axis) >= 3:
+        return "its rotary frequencies do not fit its heads"
+    for layer in w.layers:
+        for name, t in vars(layer).items():
+            if t is None and name == "qkv_bias":
+                continue
+            if t is None:
                 return "the layers' dense weights were dropped (a packed kernel's choice)"
-        for p in layer.parameters():
-            if p.dtype != dtype or p.device.type != "cpu" or not p.is_contiguous():
-                return f"it runs contiguous {dtype} weights on the CPU, not {p.dtype} on {p.device}"
-    return ""
+            if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+                return f"it runs contiguous {dtype} weights on the CPU, not {t.dtype} on {t.device}"
+    return w
 
 
 def choose_fused_decode(

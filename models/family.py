@@ -103,7 +103,10 @@ class MediaStream(Protocol):
 
 
 class LanguageModel(Protocol):
-    """What the LM runner calls on a family's language model (an nn.Module)."""
+    """What the LM runner calls on a family's language model (an nn.Module). Optional: a
+    `decoder_weights()` describing its decoder (models/layers.py's DecoderWeights) and a
+    `fused_decode` attribute its forward calls first (None: unset; a result of None: the
+    modules run), for the LM worker's fused CPU decode (lm_worker/cpu_decode.py)."""
 
     # Capabilities, read once by the runner.
     requires_raw_input_tokens: bool  # forward needs input_ids even when embeddings are given

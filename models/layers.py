@@ -1,6 +1,9 @@
-"""Building blocks more than one family uses: RMSNorm and the rotary-embedding math."""
+"""Building blocks more than one family uses: RMSNorm, the rotary-embedding math, and the
+description of a decoder that a fused decode reads (`DecoderWeights`)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -108,3 +111,35 @@ def apply_rotary_tables(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Te
     is roll(x) * [-s1, s2] (roll by half a head is [x2, x1])."""
     rolled = x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)
     return (x * cos).add_(rolled)
+
+
+@dataclass
+class DecoderLayerWeights:
+    """One pre-norm decoder layer: x += o(attention(rope(qkv(norm1(x))))); then
+    x += down(silu(gate) * up)(norm2(x)), with q / k / v and gate / up merged."""
+
+    norm1: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(heads + 2 kv_heads) head_dim, hidden]: q, k, v stacked
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, heads head_dim], no bias
+    norm2: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 intermediate, hidden]: gate, then up
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass
+class DecoderWeights:
+    """A language model's decoder as a fused decode reads it (the LM worker's CPU decode in C:
+    lm_worker/cpu_decode.py): its layers' tensors, the final norm, RMSNorm's epsilon, its sizes,
+    and its rotary embedding: frequency j turns with `inv_freq[j]` times the token's position on
+    axis `freq_axis[j]` of the forward's positions (one axis, 0, for plain RoPE)."""
+
+    layers: list[DecoderLayerWeights]
+    final_norm: torch.Tensor
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    inv_freq: torch.Tensor  # [head_dim / 2] float32
+    freq_axis: list[int]  # [head_dim / 2]

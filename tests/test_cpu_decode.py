@@ -133,6 +133,7 @@ def test_fused_decode_off_and_auto(tiny_checkpoint, caplog):
     assert "1: fused" in line and "4:" not in line  # both measured at one sequence at least
 
 
+@needs_c
 def test_where_it_cannot_run_it_says_why(tiny_checkpoint, monkeypatch):
     family = load_family(tiny_checkpoint)
     lm = LMConfig(kv_cache_bytes=8 << 20, cpu_fused_decode="on")
@@ -142,10 +143,13 @@ def test_where_it_cannot_run_it_says_why(tiny_checkpoint, monkeypatch):
     model, attention = engine.runner.model, engine.runner.attention
     layer = model.layers[0]
     layer.self_attn.qkv_proj, saved = None, layer.self_attn.qkv_proj
-    assert "merged projections" in why_not_fused(model, attention)
+    assert "not merged" in why_not_fused(model, attention)
     layer.self_attn.qkv_proj = saved
-    with pytest.raises(ValueError, match="no fused decode"):
+    with pytest.raises(ValueError, match="no fused decode: ModuleList does not describe"):
         FusedDecode(engine.runner.model.layers, attention)
+    if not cpu_kernels.unavailable("onednn"):  # its layers read packed weights only
+        cpu_kernels.use_kernel(model, "onednn")
+        assert "dense weights were dropped" in why_not_fused(model, attention)
     monkeypatch.setenv("CC", "no-such-compiler-here")
     cpu_kernels.c_library.cache_clear()
     try:
