@@ -219,3 +219,13 @@ def test_every_pair_of_kernels_has_one_name_and_back():
         assert cpu_kernels.kernel_name(*kernel_pair(name)) == name
     with pytest.raises(ValueError, match="unknown CPU linear kernel"):
         kernel_pair("gemv+mkl")  # mkl runs one row only
+
+
+def test_the_kernels_source_ships_with_the_package():
+    """A non-editable install (a wheel, the images) builds the kernels from the installed
+    source: pyproject's package data must name it."""
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert cpu_kernels.C_SOURCE.name in pyproject["tool"]["setuptools"]["package-data"]["lm_worker"]
