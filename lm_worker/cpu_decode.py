@@ -21,14 +21,23 @@ sequence counts where it is measured faster than the modules at start-up
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from lm_worker.attention import PagedAttention, PagedAttentionMetadata
-from lm_worker.cpu_kernels import c_library
+from lm_worker.cpu_kernels import (
+    C_SOURCE,
+    _cache_key,
+    _read_cache,
+    _write_cache,
+    c_library,
+    linear_layers,
+)
 from models.layers import DecoderWeights
 
 
@@ -203,18 +212,29 @@ def choose_fused_decode(
     step: Callable[[int], object],
     max_seqs: int = MAX_SEQS,
     rounds: int = 3,
+    cache_dir: Path | None = None,
 ) -> tuple[int, str]:
     """Time `step(n)` (a decode step of n sequences: the runner's dummy run) with the fused
     layers and with the modules, alternately, at n = 1, 2, 4, 8 (`max_seqs` in place of those
     above it), and keep the fused layers for the sequence counts up to the largest n where they
     win at every measured count up to it (0: nowhere). Returns that count, and what was
-    measured (or why the fused layers cannot run)."""
+    measured (or why the fused layers cannot run). The choice is cached in `cache_dir` per CPU,
+    torch, threads, model shape and kernel source, as the linear kernels' is (a large model's
+    steps take long to time)."""
     why = why_not_fused(model, attention)
     if why:
         return 0, why
-    fused = FusedDecode(model, attention)
     limit = min(max_seqs, MAX_SEQS)
-    kept, timings = 0, []
+    cache = cache_dir / "cpu_kernels.json" if cache_dir is not None else None
+    source = hashlib.sha256(C_SOURCE.read_bytes()).hexdigest()[:12]
+    key = f"fused-{_cache_key(linear_layers(model), limit)}-{source}"
+    known = _read_cache(cache)
+    if key in known:
+        kept, timings = known[key]["kept"], known[key]["ms"]
+        model.fused_decode = FusedDecode(model, attention, kept) if kept else None
+        return kept, f"cached: {timings}"
+    fused = FusedDecode(model, attention)
+    kept, measured = 0, []
     for n in sorted({min(n, limit) for n in (1, 2, 4, 8)}):
         best = {True: float("inf"), False: float("inf")}
         for _ in range(rounds):
@@ -223,10 +243,15 @@ def choose_fused_decode(
                 started = time.perf_counter()
                 step(n)
                 best[on] = min(best[on], time.perf_counter() - started)
-        timings.append(f"{n}: fused {best[True] * 1e3:.2f} / modules {best[False] * 1e3:.2f} ms")
+        measured.append(f"{n}: fused {best[True] * 1e3:.2f} / modules {best[False] * 1e3:.2f} ms")
         if best[True] >= best[False]:
             break
         kept = n
     fused.max_seqs = kept
     model.fused_decode = fused if kept else None
-    return kept, "; ".join(timings)
+    timings = "; ".join(measured)
+    if cache is not None:
+        known = _read_cache(cache)  # as it is now (the linear kernels' choice may be new)
+        known[key] = {"kept": kept, "ms": timings}
+        _write_cache(cache, known)
+    return kept, timings

@@ -175,7 +175,9 @@ def _choose_fused_decode(lm: LMConfig, runner: ModelRunner) -> None:
     def step(num_seqs: int) -> None:
         runner.dummy_run(num_seqs, full_width=False)
 
-    kept, measured = choose_fused_decode(model, attention, step, lm.max_num_seqs)
+    kept, measured = choose_fused_decode(
+        model, attention, step, lm.max_num_seqs, cache_dir=cache_dir()
+    )
     logger.info(
         "CPU decode steps of %s: fused C layers (a step's time at S sequences: %s)",
         f"1 .. {kept} sequences" if kept else "no sequence count",

@@ -11,7 +11,7 @@ import torch
 from common.config import LMConfig
 from lm_worker import cpu_kernels
 from lm_worker.attention import PagedAttentionMetadata
-from lm_worker.cpu_decode import FusedDecode, why_not_fused
+from lm_worker.cpu_decode import FusedDecode, choose_fused_decode, why_not_fused
 from lm_worker.loader import build_engine
 from models import load_family
 from models.testing import make_checkpoint
@@ -131,6 +131,27 @@ def test_fused_decode_off_and_auto(tiny_checkpoint, caplog):
     assert kept in (0, 1, 2, 3)
     assert (f"1 .. {kept} sequences" if kept else "no sequence count") in line
     assert "1: fused" in line and "4:" not in line  # both measured at one sequence at least
+
+
+@needs_c
+def test_the_choice_is_cached(tiny_checkpoint, tmp_path):
+    """Timing a large model's steps takes long: the choice is kept per machine and shape."""
+    runner = make_engine(tiny_checkpoint, cpu_fused_decode="off").runner
+    model, attention = runner.model, runner.attention
+    calls = []
+
+    def step(n: int) -> None:
+        calls.append(n)
+        runner.dummy_run(n, full_width=False)
+
+    kept, measured = choose_fused_decode(model, attention, step, 4, cache_dir=tmp_path)
+    assert calls and "cached" not in measured
+    calls.clear()
+    model.fused_decode = None
+    again, cached = choose_fused_decode(model, attention, step, 4, cache_dir=tmp_path)
+    assert calls == [] and again == kept and cached == f"cached: {measured}"
+    fused = model.fused_decode
+    assert (fused.max_seqs if fused is not None else 0) == kept
 
 
 @needs_c
