@@ -21,7 +21,6 @@ sequence counts where it is measured faster than the modules at start-up
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,12 +30,11 @@ from torch import nn
 
 from lm_worker.attention import PagedAttention, PagedAttentionMetadata
 from lm_worker.cpu_kernels import (
-    C_SOURCE,
-    _cache_key,
-    _read_cache,
-    _write_cache,
     c_library,
+    cached_choice,
+    choice_key,
     linear_layers,
+    remember_choice,
 )
 from models.layers import DecoderWeights
 
@@ -218,21 +216,19 @@ def choose_fused_decode(
     layers and with the modules, alternately, at n = 1, 2, 4, 8 (`max_seqs` in place of those
     above it), and keep the fused layers for the sequence counts up to the largest n where they
     win at every measured count up to it (0: nowhere). Returns that count, and what was
-    measured (or why the fused layers cannot run). The choice is cached in `cache_dir` per CPU,
-    torch, threads, model shape and kernel source, as the linear kernels' is (a large model's
-    steps take long to time)."""
+    measured (or why the fused layers cannot run). The choice is cached in `cache_dir` under
+    the linear kernels' key (CPU, torch, threads, model shape, kernel source): a large model's
+    steps take long to time."""
     why = why_not_fused(model, attention)
     if why:
         return 0, why
     limit = min(max_seqs, MAX_SEQS)
-    cache = cache_dir / "cpu_kernels.json" if cache_dir is not None else None
-    source = hashlib.sha256(C_SOURCE.read_bytes()).hexdigest()[:12]
-    key = f"fused-{_cache_key(linear_layers(model), limit)}-{source}"
-    known = _read_cache(cache)
-    if key in known:
-        kept, timings = known[key]["kept"], known[key]["ms"]
+    key = f"fused-{choice_key(linear_layers(model), limit)}"
+    known = cached_choice(cache_dir, key)
+    if known is not None:
+        kept = known["kept"]
         model.fused_decode = FusedDecode(model, attention, kept) if kept else None
-        return kept, f"cached: {timings}"
+        return kept, f"cached: {known['ms']}"
     fused = FusedDecode(model, attention)
     kept, measured = 0, []
     for n in sorted({min(n, limit) for n in (1, 2, 4, 8)}):
@@ -250,8 +246,5 @@ def choose_fused_decode(
     fused.max_seqs = kept
     model.fused_decode = fused if kept else None
     timings = "; ".join(measured)
-    if cache is not None:
-        known = _read_cache(cache)  # as it is now (the linear kernels' choice may be new)
-        known[key] = {"kept": kept, "ms": timings}
-        _write_cache(cache, known)
+    remember_choice(cache_dir, key, {"kept": kept, "ms": timings})
     return kept, timings

@@ -136,6 +136,7 @@ def gemv(weight: torch.Tensor, row: torch.Tensor, bias: torch.Tensor | None = No
 _PRODUCTS = {"linear": _linear, "onednn": _onednn, "mkl": _mkl, "gemv": _gemv}
 
 C_SOURCE = Path(__file__).with_name("cpu_decode.c")
+CACHE_FILE = "cpu_kernels.json"  # measured choices, in the cache directory
 C_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 
@@ -171,9 +172,20 @@ def c_library() -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
+@functools.cache
+def _source_digest() -> str:
+    """sha256 of our kernels' source ("" where it is missing: then they cannot be built)."""
+    try:
+        return hashlib.sha256(C_SOURCE.read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
 def _built_library(compiler: str) -> Path:
     """cpu_decode.c built for this CPU by `compiler` (once: kept in the cache directory)."""
-    recipe = [C_SOURCE.read_bytes(), " ".join(C_FLAGS).encode(), compiler.encode()]
+    if not C_SOURCE.exists():
+        raise OSError(f"our kernels' source is not installed: {C_SOURCE}")
+    recipe = [_source_digest().encode(), " ".join(C_FLAGS).encode(), compiler.encode()]
     recipe.append(_cpu_model().encode())  # -march=native builds for this CPU
     key = hashlib.sha256(b"\0".join(recipe)).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"cpu-decode-{key}.so"
@@ -323,11 +335,10 @@ def choose_linear_kernel(
     layers = linear_layers(model)
     if not layers:
         return "linear", {}
-    key = _cache_key(layers, batch_rows)
-    cache = cache_dir / "cpu_kernels.json" if cache_dir is not None else None
-    known = _read_cache(cache)
-    if key in known and use_kernel(model, known[key]["kernel"]) > 0:  # else measured again
-        return known[key]["kernel"], known[key]["ms"]
+    key = choice_key(layers, batch_rows)
+    known = cached_choice(cache_dir, key)
+    if known is not None and use_kernel(model, known["kernel"]) > 0:  # else measured again
+        return known["kernel"], known["ms"]
     # Two rounds over the candidates, keeping each one's best: a burst of other work on the
     # machine then slows one round of every candidate, not one candidate.
     timings: dict[str, float] = {}
@@ -358,13 +369,13 @@ def choose_linear_kernel(
         )
     kernel = kernel_name(row, batch)
     use_kernel(model, kernel)
-    if cache is not None:
-        known[key] = {"kernel": kernel, "ms": timings}
-        _write_cache(cache, known)
+    remember_choice(cache_dir, key, {"kernel": kernel, "ms": timings})
     return kernel, timings
 
 
-def _cache_key(layers: list[nn.Linear], batch_rows: int) -> str:
+def choice_key(layers: list[nn.Linear], batch_rows: int) -> str:
+    """The key of a measured choice for these layers at up to `batch_rows` rows: the machine,
+    torch, threads, the layers' shapes, the candidates and our kernels' source."""
     shapes = Counter(
         (m.in_features, m.out_features, m.bias is not None, str(m.weight.dtype)) for m in layers
     )
@@ -376,6 +387,7 @@ def _cache_key(layers: list[nn.Linear], batch_rows: int) -> str:
         batch_rows,
         sorted(shapes.items()),
         KERNELS,  # a new candidate is measured, not passed over by an old choice
+        _source_digest(),  # and a changed kernel is measured again
     ]
     return hashlib.sha256(json.dumps(machine, default=str).encode()).hexdigest()[:16]
 
@@ -391,8 +403,23 @@ def _cpu_model() -> str:
     return " | ".join(dict.fromkeys(ln for ln in lines if ln.startswith(wanted)))
 
 
-def _read_cache(path: Path | None) -> dict:
-    if path is None or not path.exists():
+def cached_choice(cache_dir: Path | None, key: str) -> dict | None:
+    """The choice cached under `key` in `cache_dir` (None: none, or no cache)."""
+    if cache_dir is None:
+        return None
+    return _read_cache(cache_dir / CACHE_FILE).get(key)
+
+
+def remember_choice(cache_dir: Path | None, key: str, choice: dict) -> None:
+    """Cache a choice (the file read afresh first: other choices may have come meanwhile)."""
+    if cache_dir is not None:
+        known = _read_cache(cache_dir / CACHE_FILE)
+        known[key] = choice
+        _write_cache(cache_dir / CACHE_FILE, known)
+
+
+def _read_cache(path: Path) -> dict:
+    if not path.exists():
         return {}
     try:
         data = json.loads(path.read_text())

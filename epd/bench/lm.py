@@ -78,6 +78,11 @@ class Ours:
     def weight_bytes(self) -> int:
         return weight_bytes(self.engine.runner.model)
 
+    @property
+    def fused_decode(self) -> bool:
+        """Decode steps of a few sequences run every layer in one C call (cpu_decode.py)."""
+        return getattr(self.engine.runner.model, "fused_decode", None) is not None
+
 
 class HuggingFace:
     def __init__(self, model_dir: Path, device: str, dtype: torch.dtype):
@@ -213,8 +218,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "dtype": args.dtype,
         "linear_kernel": ours.engine.linear_kernel,
-        # Decode steps of a few sequences through every layer in one C call (cpu_decode.py).
-        "fused_decode": getattr(ours.engine.runner.model, "fused_decode", None) is not None,
+        "fused_decode": ours.fused_decode,
         "new_tokens": n,
         "batch1_ours_tps": round(med(ours_b1), 2),
         "batch1_hf_tps": round(med(hf_b1), 2),
@@ -268,7 +272,7 @@ def profile_batch1(ours: Ours, tokens: int) -> str:
         seconds = ours.run(1, tokens)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     note = ""
-    if getattr(ours.engine.runner.model, "fused_decode", None) is not None:
+    if ours.fused_decode:
         note = (
             "\nthe decode steps' layers run in one C call (fused decode, no torch ops): their "
             "time is in the wall time above, not in the table"
