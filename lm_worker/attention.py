@@ -12,11 +12,14 @@ over its cached prefix plus itself, causally.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from lm_worker.huge_pages import empty as huge_pages_empty
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +59,15 @@ class PagedAttention:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        huge_pages: bool = False,
     ) -> None:
+        """The cache, zeroed; `huge_pages` (CPU): on 2 MiB pages (lm_worker/huge_pages.py)."""
         shape = (num_layers, 2, num_blocks, self.block_size, num_kv_heads, head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        if huge_pages and device.type == "cpu":
+            nbytes = math.prod(shape) * dtype.itemsize
+            self.kv_cache = huge_pages_empty(nbytes).view(dtype).view(shape)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         # Per layer: its [2, ...] slice, and keys / values flattened to slots (views made once,
         # not four view ops per layer and step).
         self._layers = [

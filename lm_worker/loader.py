@@ -12,6 +12,7 @@ from common.config import LMConfig, cache_dir
 from common.device import resolve_device
 from connector.kv import KVStore
 from connector.kv_stream import KVInbox, KVSender
+from lm_worker import huge_pages
 from lm_worker.attention import PagedAttention
 from lm_worker.block_manager import BlockManager
 from lm_worker.cpu_decode import FusedDecode, choose_fused_decode, why_not_fused
@@ -52,12 +53,17 @@ def build_engine(
         )
     attention = PagedAttention(lm.block_size, text.head_dim)
     model = family.load_language_model(attention, dtype, device)
+    huge = device.type == "cpu" and lm.cpu_huge_pages
+    if huge:
+        _weights_on_huge_pages(model)
     kernel = "cuda"
     if device.type == "cpu":
         kernel = _choose_cpu_kernel(lm, model)
     num_blocks = _num_kv_blocks(lm, family, dtype, device)
     max_model_len = _fit_context(lm, max_model_len, num_blocks)
-    attention.allocate(text.num_layers, num_blocks, text.num_kv_heads, text.head_dim, dtype, device)
+    attention.allocate(
+        text.num_layers, num_blocks, text.num_kv_heads, text.head_dim, dtype, device, huge
+    )
     logger.info(
         "LM on %s (%s, %s linear): %d KV blocks of %d tokens (%.2f GiB), context %d, "
         "CUDA graphs %s",
@@ -114,6 +120,25 @@ def build_engine(
         registry=registry,
         linear_kernel=kernel,
         kv_connector=kv,
+    )
+
+
+def _weights_on_huge_pages(model: torch.nn.Module) -> None:
+    """The weights copied onto 2 MiB pages (lm_worker/huge_pages.py), before anything keeps
+    pointers into them; the log says how much the kernel granted, and why not where it did not."""
+    weights = huge_pages.move_parameters(model)
+    if weights is None:
+        return
+    mode, held = huge_pages.thp_mode(), huge_pages.huge_bytes(weights)
+    why = ""
+    if held < weights.nbytes // 2 and weights.nbytes >= huge_pages.HUGE_PAGE:
+        why = {
+            "": ": this kernel has no transparent huge pages",
+            "never": ": transparent huge pages are off here ('never' in "
+            f"{huge_pages.THP_MODE}; 'madvise' turns them on)",
+        }.get(mode, ": the kernel had no free 2 MiB frames for the rest")
+    logger.info(
+        "LM weights on 2 MiB pages: %.0f of %.0f MB%s", held / 1e6, weights.nbytes / 1e6, why
     )
 
 
