@@ -225,15 +225,18 @@ class LMEngine:
             "max_model_len": self.max_model_len,
         }
 
-    def run_to_completion(self) -> None:
+    def run_to_completion(self, between_steps: Callable[[], None] | None = None) -> None:
         """Run steps in the calling thread until no request is left that can make progress
-        (offline use: benchmarks, tests). Not while the engine thread runs."""
+        (offline use: benchmarks, tests), calling `between_steps` before each. Not while the
+        engine thread runs."""
         assert self._thread is None, "the engine thread is running"
         while True:
             with self._cv:
                 ops, self._inbox = self._inbox, []
             for op in ops:
                 op()
+            if between_steps is not None:
+                between_steps()
             if not self.run_step() and not self._inbox:
                 return
 

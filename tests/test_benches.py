@@ -85,7 +85,11 @@ def test_bench_lm(tiny_checkpoint):
     assert summary["linear_kernel"] in KERNELS
     assert isinstance(summary["fused_decode"], bool)
     assert summary["few_streams"] == 3 and summary["few_streams_vs_hf"] > 0
-    assert {"sum", "gemv"} <= set(summary["read_bandwidth_gbps"]) <= {"sum", "gemv", "gemv_ours"}
+    probes = {"sum", "gemv", "sum_4k_pages", "gemv_ours"}
+    assert {"sum", "gemv", "sum_4k_pages"} <= set(summary["read_bandwidth_gbps"]) <= probes
+    assert 0 <= summary["weights_on_huge_pages"] <= 1
+    # Each of the 23 decode steps timed right after a read of its bytes.
+    assert summary["paired_steps"] == 23 and summary["batch1_vs_roofline"] > 0
     assert summary["hf_batch1_vs_roofline"] > 0
     assert summary["dtype"] == "float32"
 

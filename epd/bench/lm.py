@@ -7,11 +7,13 @@ Both sides run in this process on the same threads, interleaved round by round:
   vs 8), aggregate tokens/s including prefill, as a serving system would see it; and a few
   streams (default 4) against `generate` at the same batch, the load of a lightly used server;
 - the roofline at batch 1: every decode step reads all LM weights once, so the fastest possible
-  step takes weight bytes / memory *read* bandwidth (measured here as the best of a streaming
-  reduction and GEMVs, torch's and ours, each over as many bytes as a step's weights; a copy
-  reads and writes, so its rate is no limit), measured in every round next to the decode it
-  bounds. Both ours and HF's batch-1 rates are given as a fraction of it (the median over the
-  rounds of each round's rate over that round's roofline).
+  step takes weight bytes / memory *read* bandwidth. A batch-1 request on each side runs with
+  a streaming read (a sum) of as many bytes as a step's weights just before each decode step,
+  and each step's rate is taken over that read's (`PairedSteps`: a shared host's read rate
+  jumps within seconds); ours and HF's are the medians of those fractions. The read probes of
+  `read_bandwidth` (a sum and GEMVs, torch's and ours, best of 5; on 2 MiB pages as our
+  weights are, and a sum on ordinary pages) are printed beside them. A copy reads and writes,
+  so its rate is no limit.
 The CPU model and the linear kernel the LM worker chose at start-up are printed with the figures;
 `--dtype bfloat16` runs both sides' weights and compute in bf16 (the roofline counts its bytes).
 The last line is one JSON object with the figures and ratios.
@@ -24,6 +26,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 
 from common.config import LMConfig
 from common.served_model import ensure_bench_model
+from lm_worker import huge_pages
 from lm_worker.cpu_kernels import gemv, unavailable, weight_bytes
 from lm_worker.engine import LMEngine
 from lm_worker.loader import build_engine
@@ -53,10 +57,12 @@ class Ours:
         device: str,
         dtype: torch.dtype,
         fused_decode: str = "auto",
+        huge_pages: bool = True,
     ):
         lm = LMConfig(
             device=device,
             cpu_fused_decode=fused_decode,
+            cpu_huge_pages=huge_pages,
             kv_cache_bytes=1 << 30,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(2048, max_num_seqs),
@@ -65,18 +71,25 @@ class Ours:
         self.engine: LMEngine = build_engine(lm, family, dtype, registry=None)
         self.count = 0
 
-    def run(self, streams: int, new_tokens: int) -> float:
+    def run(
+        self, streams: int, new_tokens: int, between_steps: Callable[[], None] | None = None
+    ) -> float:
         for i in range(streams):
             self.count += 1
             params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
             self.engine.add_request(Request(f"b{self.count}", _prompt(i), params), lambda out: None)
         started = time.perf_counter()
-        self.engine.run_to_completion()
+        self.engine.run_to_completion(between_steps)
         _sync()
         return time.perf_counter() - started
 
     def weight_bytes(self) -> int:
         return weight_bytes(self.engine.runner.model)
+
+    def on_huge_pages(self) -> float:
+        """The share of the parameters' bytes on 2 MiB pages (lm_worker/huge_pages.py)."""
+        params = list(self.engine.runner.model.parameters())
+        return sum(map(huge_pages.huge_bytes, params)) / sum(p.nbytes for p in params)
 
     @property
     def fused_decode(self) -> bool:
@@ -99,8 +112,13 @@ class HuggingFace:
         self.device = device
 
     @torch.inference_mode()
-    def run(self, batch: int, new_tokens: int) -> float:
+    def run(
+        self, batch: int, new_tokens: int, between_steps: Callable[[], None] | None = None
+    ) -> float:
         ids = torch.tensor([_prompt(i) for i in range(batch)], device=self.device)
+        extra = {}
+        if between_steps is not None:
+            extra["stopping_criteria"] = _calling(between_steps)
         started = time.perf_counter()
         self.model.generate(
             ids,
@@ -108,9 +126,22 @@ class HuggingFace:
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
+            **extra,
         )
         _sync()
         return time.perf_counter() - started
+
+
+def _calling(fn: Callable[[], None]):
+    """A `generate` stopping criterion that calls `fn` after each token and never stops."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Between(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs):
+            fn()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([Between()])
 
 
 def _best(run, *args, repeats: int = 3) -> float:
@@ -127,17 +158,21 @@ def read_bandwidth(device: str, nbytes: int = 256 * 2**20) -> dict[str, float]:
     """Bytes per second *reading* memory (what a decode step does with its weights), best of 5:
     a streaming reduction over `nbytes` (at least 256 MiB), and a GEMV (one row) over an fp32
     matrix of that size, torch's and, on a CPU where it runs, ours (`gemv_ours`,
-    lm_worker/cpu_decode.c). The roofline divides by the largest. The bench passes the weight bytes
-    of a step: a buffer that fits the last-level cache (300 MiB on some hosts) would be read
-    from it, faster than a step's weights stream. (A tensor copy reads and writes: it is no
-    read rate.)"""
-    rows = -(-max(nbytes, 256 * 2**20) // (4 * 4096))
-    data = torch.ones(rows * 4096, device=device)
+    lm_worker/cpu_decode.c). The bench passes the weight bytes of a step: a buffer that fits the
+    last-level cache (300 MiB on some hosts) would be read from it, faster than a step's weights
+    stream. (A tensor copy reads and writes: it is no read rate.) On a CPU the matrix is on 2
+    MiB pages where the kernel grants them (as the LM worker's weights are,
+    lm_worker/huge_pages.py: fewer TLB misses, a faster read), and `sum_4k_pages` reads a buffer
+    as torch allocates it, on ordinary pages."""
+    data = _probe_buffer(device, nbytes)
+    rows = data.numel() // 4096
     matrix = data.view(rows, 4096)
     row = torch.ones(1, 4096, device=device)
     probes = {"sum": data.sum, "gemv": lambda: F.linear(row, matrix)}
-    if device == "cpu" and not unavailable("gemv"):
-        probes["gemv_ours"] = lambda: gemv(matrix, row)
+    if device == "cpu":
+        probes["sum_4k_pages"] = torch.ones(rows * 4096).sum
+        if not unavailable("gemv"):
+            probes["gemv_ours"] = lambda: gemv(matrix, row)
     best = dict.fromkeys(probes, float("inf"))
     with torch.inference_mode():
         for _ in range(5):
@@ -147,6 +182,55 @@ def read_bandwidth(device: str, nbytes: int = 256 * 2**20) -> dict[str, float]:
                 _sync()
                 best[name] = min(best[name], time.perf_counter() - started)
     return {name: data.nbytes / seconds for name, seconds in best.items()}
+
+
+def _probe_buffer(device: str, nbytes: int) -> torch.Tensor:
+    """fp32 ones, at least `nbytes` and 256 MiB, whole rows of 4096; on 2 MiB pages on a CPU."""
+    rows = -(-max(nbytes, 256 * 2**20) // (4 * 4096))
+    if device == "cpu":
+        return huge_pages.empty(rows * 4096 * 4).view(torch.float32).fill_(1.0)
+    return torch.ones(rows * 4096, device=device)
+
+
+class PairedSteps:
+    """Decode steps, each timed right after one read of a buffer of the step's weight bytes:
+    the step's rate over that read's, pair by pair. A shared host's read rate jumps (here
+    30-35 GB/s, with stretches of 50-60 lasting from milliseconds to seconds), so a decode
+    and a probe timed a second apart can land on different rates and their ratio says more
+    about the host than about the decode (rounds at 102% and at 43% of the roofline in one
+    run); a step and the read just before it share the moment. The read also empties the
+    caches, as the previous step's own weights would. `between()` runs between steps: before
+    each of our engine's (`run_to_completion(between_steps=...)`: the first step timed is the
+    prefill, `skip=1`) or after each token of generate's (a stopping criterion)."""
+
+    def __init__(self, data: torch.Tensor, weight_bytes: int, skip: int):
+        self.data = data  # `_probe_buffer`
+        self.weight_bytes = weight_bytes
+        self.skip = skip  # steps of each run not paired
+        self.fractions: list[float] = []  # each step's rate over its read's
+        self.reads: list[float] = []  # the reads' rates, bytes/s
+        self._read_s = 0.0
+        self._read_end: float | None = None
+        self._steps = 0
+
+    def start(self) -> Callable[[], None]:
+        """`between` for a new run."""
+        self._read_end, self._steps = None, 0
+        return self.between
+
+    def between(self) -> None:
+        now = time.perf_counter()
+        if self._read_end is not None:
+            self._steps += 1
+            if self._steps > self.skip:
+                step_rate = self.weight_bytes / (now - self._read_end)
+                self.reads.append(self.data.nbytes / self._read_s)
+                self.fractions.append(step_rate / self.reads[-1])
+        started = time.perf_counter()
+        self.data.sum()
+        _sync()
+        self._read_end = time.perf_counter()
+        self._read_s = self._read_end - started
 
 
 def cpu_model() -> str:
@@ -170,32 +254,46 @@ def run(args: argparse.Namespace) -> int:
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     dtype = DTYPES[args.dtype]
-    ours = Ours(model_dir, max(args.streams, args.few_streams, 1), device, dtype, args.fused_decode)
+    ours = Ours(
+        model_dir,
+        max(args.streams, args.few_streams, 1),
+        device,
+        dtype,
+        args.fused_decode,
+        args.huge_pages == "on",
+    )
     hf = HuggingFace(model_dir, device, dtype)
     n = args.tokens
     ours.run(1, 4)  # warm-up both
     hf.run(1, 4)
 
     weights = ours.weight_bytes()
+    probe = _probe_buffer(device, weights)
+    ours_pairs, hf_pairs = PairedSteps(probe, weights, skip=1), PairedSteps(probe, weights, skip=0)
     ours_b1, hf_b1, ours_many, hf_batch, reads_r = [], [], [], [], []
     ours_few, hf_few = [], []
+    med = statistics.median
     for r in range(args.rounds):
         ours_b1.append((n - 1) / (_best(ours.run, 1, n) - _best(ours.run, 1, 1)))
-        # The read bandwidth of this moment, beside the decode it bounds: on a shared host it
-        # moves by more than any kernel change within an hour.
-        reads_r.append(read_bandwidth(device, weights))
         hf_b1.append((n - 1) / (_best(hf.run, 1, n) - _best(hf.run, 1, 1)))
+        # Each decode step over the read rate of the moment just before it (`PairedSteps`).
+        seen = len(ours_pairs.fractions), len(hf_pairs.fractions)
+        ours.run(1, n, ours_pairs.start())
+        hf.run(1, n, hf_pairs.start())
+        reads_r.append(read_bandwidth(device, weights))
         ours_many.append(args.streams * n / ours.run(args.streams, n))
         hf_batch.append(args.hf_batch * n / hf.run(args.hf_batch, n))
         if args.few_streams:
             ours_few.append(args.few_streams * n / ours.run(args.few_streams, n))
             hf_few.append(args.few_streams * n / hf.run(args.few_streams, n))
-        bandwidth = max(reads_r[-1].values())
+        reads_now = ours_pairs.reads[seen[0] :] + hf_pairs.reads[seen[1] :]
         print(
-            f"round {r + 1}: batch 1 ours {ours_b1[-1]:.1f} tok/s "
-            f"({ours_b1[-1] * weights / bandwidth:.0%} of the roofline, read at "
-            f"{bandwidth / 1e9:.1f} GB/s), HF {hf_b1[-1]:.1f}; ours x{args.streams} streams "
-            f"{ours_many[-1]:.1f} tok/s, HF batch {args.hf_batch} {hf_batch[-1]:.1f}"
+            f"round {r + 1}: batch 1 ours {ours_b1[-1]:.1f} tok/s, HF {hf_b1[-1]:.1f}; step by "
+            f"step ours {med(ours_pairs.fractions[seen[0] :]):.0%} and HF "
+            f"{med(hf_pairs.fractions[seen[1] :]):.0%} of the roofline (read at "
+            f"{min(reads_now) / 1e9:.0f}-{max(reads_now) / 1e9:.0f} GB/s); "
+            f"ours x{args.streams} streams {ours_many[-1]:.1f} tok/s, HF batch {args.hf_batch} "
+            f"{hf_batch[-1]:.1f}"
             + (
                 f"; x{args.few_streams}: ours {ours_few[-1]:.1f}, HF {hf_few[-1]:.1f}"
                 if args.few_streams
@@ -203,13 +301,9 @@ def run(args: argparse.Namespace) -> int:
             ),
             flush=True,
         )
-    med = statistics.median
     reads = {k: med(r[k] for r in reads_r) for k in reads_r[0]}
-    bandwidth = max(reads.values())
+    bandwidth = med(ours_pairs.reads + hf_pairs.reads)
     roofline = bandwidth / weights
-    # Each round's decode over its own moment's roofline, the median of those.
-    fractions = [b * weights / max(r.values()) for b, r in zip(ours_b1, reads_r, strict=True)]
-    hf_fractions = [b * weights / max(r.values()) for b, r in zip(hf_b1, reads_r, strict=True)]
     summary = {
         "bench": "lm",
         "model": str(model_dir.name),
@@ -219,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "linear_kernel": ours.engine.linear_kernel,
         "fused_decode": ours.fused_decode,
+        "weights_on_huge_pages": round(ours.on_huge_pages(), 3),
         "new_tokens": n,
         "batch1_ours_tps": round(med(ours_b1), 2),
         "batch1_hf_tps": round(med(hf_b1), 2),
@@ -227,8 +322,9 @@ def run(args: argparse.Namespace) -> int:
         "read_bandwidth_gbps": {k: round(v / 1e9, 2) for k, v in reads.items()},
         "roofline_tps": round(roofline, 2),
         # Three significant digits: a tiny model runs at a minute fraction of its roofline.
-        "batch1_vs_roofline": float(f"{med(fractions):.3g}"),
-        "hf_batch1_vs_roofline": float(f"{med(hf_fractions):.3g}"),
+        "batch1_vs_roofline": float(f"{med(ours_pairs.fractions):.3g}"),
+        "hf_batch1_vs_roofline": float(f"{med(hf_pairs.fractions):.3g}"),
+        "paired_steps": len(ours_pairs.fractions),
         "streams": args.streams,
         "streams_ours_tps": round(med(ours_many), 2),
         "hf_batch": args.hf_batch,
@@ -247,8 +343,9 @@ def run(args: argparse.Namespace) -> int:
         f"{', fused layers' if summary['fused_decode'] else ''}): "
         f"{summary['batch1_vs_hf']}x HF generate; "
         f"ours {summary['batch1_vs_roofline']:.0%} and HF {summary['hf_batch1_vs_roofline']:.0%} "
-        f"of the roofline ({summary['roofline_tps']} tok/s = {weights / 1e6:.0f} MB of weights "
-        f"read at {bandwidth / 1e9:.1f} GB/s); {args.streams} streams: "
+        f"of the roofline step by step (median {summary['roofline_tps']} tok/s = "
+        f"{weights / 1e6:.0f} MB of weights read at {bandwidth / 1e9:.1f} GB/s); "
+        f"{args.streams} streams: "
         f"{summary['streams_vs_hf_batch']}x HF at batch {args.hf_batch}"
         + (
             f"; {args.few_streams} streams: {summary['few_streams_vs_hf']}x HF at that batch"
@@ -298,6 +395,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="auto",
         choices=["auto", "on", "off"],
         help="lm.cpu_fused_decode for our engine (default auto; off: the torch modules)",
+    )
+    p.add_argument(
+        "--huge-pages",
+        default="on",
+        choices=["on", "off"],
+        help="lm.cpu_huge_pages for our engine: weights and KV cache on 2 MiB pages (default on)",
     )
     p.add_argument(
         "--few-streams",
