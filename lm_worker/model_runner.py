@@ -51,7 +51,9 @@ class InputBatch:
     query_start_loc: np.ndarray  # [num_reqs + 1]
     num_computed_tokens: np.ndarray  # [num_reqs], before this step
     prefill_lens: np.ndarray  # [num_reqs], prompt lengths
-    logits_indices: torch.Tensor  # [num_sampling] token index of each sampling request
+    # The token index of each sampling request: [num_sampling], or the slice of all tokens
+    # when each is a sampling request's last (a decode-only step: no gather of rows).
+    logits_indices: torch.Tensor | slice
     sampling_requests: list[Request]  # requests whose window reaches their last token
     attn_metadata: PagedAttentionMetadata
     use_graph: bool
@@ -287,7 +289,11 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             num_computed_tokens=computed,
             prefill_lens=prefill_lens,
-            logits_indices=torch.as_tensor(logits_indices, dtype=torch.long, device=self.device),
+            logits_indices=(
+                slice(0, num_tokens)
+                if len(logits_indices) == num_tokens
+                else torch.as_tensor(logits_indices, dtype=torch.long, device=self.device)
+            ),
             sampling_requests=sampling,
             attn_metadata=meta,
             use_graph=use_graph,
@@ -370,8 +376,14 @@ class ModelRunner:
 
 
 def _fill(dst: torch.Tensor, src: np.ndarray, total: int, fill: int) -> None:
-    """dst[:total] = src, then `fill` past it (along the first dimension)."""
+    """dst[:total] = src, then `fill` past it (along the first dimension). On the CPU through
+    NumPy's view of the buffer: no torch dispatch, which a decode step pays with cold caches."""
     n = src.shape[0]
+    if dst.device.type == "cpu":
+        view = dst.numpy()
+        view[:n] = src
+        view[n:total] = fill
+        return
     dst[:n].copy_(torch.from_numpy(np.ascontiguousarray(src)), non_blocking=True)
     if total > n:
         dst[n:total].fill_(fill)

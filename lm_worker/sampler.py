@@ -32,7 +32,7 @@ class Sampler:
         logits = logits.float()
         params = [r.sampling for r in requests]
         if all(p.greedy for p in params):
-            token_ids = logits.argmax(dim=-1).tolist()
+            token_ids = _argmax(logits)
         else:
             token_ids = [
                 self._sample_one(row, r) if not r.sampling.greedy else int(row.argmax())
@@ -54,3 +54,12 @@ class Sampler:
         if request.draws is None:
             request.draws = Draws(request.sampling.seed, start=request.resumed_output_tokens)
         return sample_row(row, request.sampling, request.draws.next())
+
+
+def _argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's greedy token. On a CPU NumPy's argmax (3 us for a row of 32000 here) against
+    torch's (31 us warm, 68 in a decode step: its dispatch and threads); the same index, the
+    first of equal maxima (NaN counting as the largest) in both."""
+    if logits.device.type == "cpu":
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
