@@ -261,12 +261,14 @@ static void store(void *cache, long at, const float *v, long n, int bf16) {
 
 /* For each sequence s and query head h: out = softmax(q . keys * scale) . values over the
    sequence's tokens, head h reading kv head h / (heads / kv_heads). q [S, (heads + 2 kv_heads)
-   head_dim] (its q part is read), out [S, heads head_dim], scores [S heads, longest] scratch. */
+   head_dim] (its q part is read), out [S, heads head_dim], scores [S heads, longest] scratch;
+   slots [S, longest]: each token's cache slot (`slot_of`, once a step, not per key, head and
+   layer). */
 static void attend(const struct epd_decoder *m, const struct epd_layer *layer,
-                   const struct epd_seqs *seqs, const float *q, long longest, float *scores,
-                   float *out, int threads) {
+                   const struct epd_seqs *seqs, const long *slots, const float *q, long longest,
+                   float *scores, float *out, int threads) {
     long d = m->head_dim, heads = m->heads, kvh = m->kv_heads, group = heads / kvh;
-    long bs = m->block_size, q_stride = (heads + 2 * kvh) * d;
+    long q_stride = (heads + 2 * kvh) * d;
     int bf16 = m->bf16;
     size_t item = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -274,9 +276,10 @@ static void attend(const struct epd_decoder *m, const struct epd_layer *layer,
         long s = sh / heads, h = sh % heads, head = h / group, len = seqs->lens[s];
         const float *qh = q + s * q_stride + h * d;
         float *sc = scores + sh * longest, *o = out + s * heads * d + h * d;
+        const long *slot = slots + s * longest;
         float top = -INFINITY, total = 0.0f;
         for (long t = 0; t < len; t++) {
-            long at = (slot_of(seqs, s, t, bs) * kvh + head) * d;
+            long at = (slot[t] * kvh + head) * d;
             const void *key = (const char *)layer->k_cache + at * item;
             sc[t] = (bf16 ? dot(key, qh, d, 1) : dot(key, qh, d, 0)) * m->scale;
             top = sc[t] > top ? sc[t] : top;
@@ -284,7 +287,7 @@ static void attend(const struct epd_decoder *m, const struct epd_layer *layer,
         for (long t = 0; t < len; t++) total += sc[t] = expf(sc[t] - top);
         for (long i = 0; i < d; i++) o[i] = 0.0f;
         for (long t = 0; t < len; t++) {
-            long at = (slot_of(seqs, s, t, bs) * kvh + head) * d;
+            long at = (slot[t] * kvh + head) * d;
             for (long i = 0; i < d; i++) o[i] += sc[t] * weight(layer->v_cache, at + i, bf16);
         }
         for (long i = 0; i < d; i++) o[i] = rnd(o[i] / total, bf16);
@@ -309,7 +312,15 @@ int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, 
     }
     float *x = malloc(S * (2 * n + 2 * d + qkv_rows + heads * d + 2 * inter + heads * longest) *
                       sizeof *x);
-    if (!x) return -1;
+    long *slot_table = malloc(S * longest * sizeof *slot_table);
+    if (!x || !slot_table) {
+        free(x);
+        free(slot_table);
+        return -1;
+    }
+    for (long s = 0; s < S; s++)
+        for (long t = 0; t < seqs->lens[s]; t++)
+            slot_table[s * longest + t] = slot_of(seqs, s, t, bs);
     float *h = x + S * n, *cos = h + S * n, *signed_sin = cos + S * d, *qkv = signed_sin + S * d;
     float *att = qkv + S * qkv_rows, *gate_up = att + S * heads * d;
     float *scores = gate_up + S * 2 * inter;
@@ -328,7 +339,7 @@ int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, 
             store(layer->k_cache, slots[s] * kv, row + heads * d, kv, bf16);
             store(layer->v_cache, slots[s] * kv, row + heads * d + kv, kv, bf16);
         }
-        attend(m, layer, seqs, qkv, longest, scores, att, threads);
+        attend(m, layer, seqs, slot_table, qkv, longest, scores, att, threads);
         products_for(S, layer->o_w, att, NULL, h, n, heads * d, bf16, threads);
         for (long i = 0; i < S * n; i++) x[i] = rnd(rnd(h[i], bf16) + x[i], bf16);
         for (long s = 0; s < S; s++) rms_norm(x + s * n, layer->norm2, h + s * n, n, m->eps, bf16);
@@ -355,5 +366,6 @@ int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, 
         }
     }
     free(x);
+    free(slot_table);
     return 0;
 }
