@@ -484,7 +484,9 @@ class LMConfig:
     # CPU: the LM's weights and KV cache on 2 MiB pages (Linux transparent huge pages, asked
     # for with madvise; lm_worker/huge_pages.py): a decode step's stream of weights reads
     # faster with fewer TLB misses. The weights are copied once at start-up out of the
-    # checkpoint's file mapping. Where the kernel grants none, the log says so.
+    # checkpoint's file mapping (so workers on one machine no longer share those pages), and
+    # the KV cache's memory is committed 2 MiB at a time. Where the kernel grants none, the
+    # log says so.
     cpu_huge_pages: bool = True
     # How long a request may wait for its embeddings to appear in the cache.
     embedding_timeout_seconds: float = 120.0
