@@ -61,7 +61,25 @@ static inline float weight(const void *w, long i, int bf16) {
     return bf16 ? from_bf16(((const uint16_t *)w)[i]) : ((const float *)w)[i];
 }
 
-static inline float dot(const void *w, const float *x, long k, int bf16) {
+/* The sum of a vector's 16 lanes as a tree of halves (4 dependent adds), in registers. */
+static inline float hsum(vec v) {
+    half8 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    half8 s8 = lo + hi;
+    quarter4 q0, q1;
+    memcpy(&q0, &s8, sizeof q0);
+    memcpy(&q1, (const char *)&s8 + sizeof q0, sizeof q1);
+    quarter4 s4 = q0 + q1;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* w . x over k values, w fp32 or bf16. `short_dot` (a constant at each call site) sums the
+   lanes with `hsum`; otherwise the same tree is written as a loop over the lanes, which gcc 12
+   compiles to a spill and a loop over the stack: that costs the attention's 64-wide key dots
+   more than their products, but the weight products read 2-4% faster with it (measured
+   alternately in one process, two builds), so they keep it. The sums are the same bit for bit. */
+static inline float dot(const void *w, const float *x, long k, int bf16, int short_dot) {
     vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     long i = 0;
     for (; i + 64 <= k; i += 64) {
@@ -72,9 +90,14 @@ static inline float dot(const void *w, const float *x, long k, int bf16) {
     }
     for (; i + 16 <= k; i += 16) a0 += load_w(w, i, bf16) * load(x + i); /* short rows */
     vec s = (a0 + a1) + (a2 + a3);
-    for (int half = 8; half > 0; half /= 2) /* a tree: 4 dependent adds, not 16 */
-        for (int j = 0; j < half; j++) s[j] += s[j + half];
-    float acc = s[0];
+    float acc;
+    if (short_dot) {
+        acc = hsum(s);
+    } else {
+        for (int half = 8; half > 0; half /= 2) /* a tree: 4 dependent adds, not 16 */
+            for (int j = 0; j < half; j++) s[j] += s[j + half];
+        acc = s[0];
+    }
     for (; i < k; i++) acc += weight(w, i, bf16) * x[i];
     return acc;
 }
@@ -83,7 +106,7 @@ static inline float dot(const void *w, const float *x, long k, int bf16) {
 #define PRODUCTS(BF16)                                                                      \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                       \
     for (long r = 0; r < n; r++)                                                            \
-        y[r] = dot((const char *)w + r * row, x, k, BF16) + (b ? weight(b, r, BF16) : 0.0f);
+        y[r] = dot((const char *)w + r * row, x, k, BF16, 0) + (b ? weight(b, r, BF16) : 0.0f);
 
 static void products(const void *w, const float *x, const void *b, float *y, long n, long k,
                      int bf16, int threads) {
@@ -109,7 +132,7 @@ int epd_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
     for (long i = 0; i < k; i++) xf[i] = from_bf16(x[i]);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long r = 0; r < n; r++)
-        y[r] = to_bf16(dot(w + r * k, xf, k, 1) + (b ? from_bf16(b[r]) : 0.0f));
+        y[r] = to_bf16(dot(w + r * k, xf, k, 1, 0) + (b ? from_bf16(b[r]) : 0.0f));
     free(xf);
     return 0;
 }
@@ -226,7 +249,7 @@ static inline float rnd(float v, int bf16) { return bf16 ? from_bf16(to_bf16(v))
 /* y = rms_norm(x) * weight, as models/layers.py's RMSNorm: in fp32 x * scale * weight; in
    bf16 the normalised x rounded, then its product with the weight. */
 static void rms_norm(const float *x, const void *w, float *y, long n, float eps, int bf16) {
-    float scale = 1.0f / sqrtf(dot(x, x, n, 0) / (float)n + eps);
+    float scale = 1.0f / sqrtf(dot(x, x, n, 0, 0) / (float)n + eps);
     for (long i = 0; i < n; i++) y[i] = rnd(rnd(x[i] * scale, bf16) * weight(w, i, bf16), bf16);
 }
 
@@ -261,38 +284,6 @@ static void store(void *cache, long at, const float *v, long n, int bf16) {
     for (long i = 0; i < n; i++) ((uint16_t *)cache)[at + i] = to_bf16(v[i]);
 }
 
-/* The sum of a vector's 16 lanes, as `dot` adds them (halves: 4 dependent adds), in
-   registers. (`dot` writes it as a loop over the lanes, which gcc 12 spills to the stack:
-   the attention's 64-wide dots spent more time there than in their products. The weight
-   products read 2-4% slower with this one, measured alternately in one process.) */
-static inline float hsum(vec v) {
-    half8 lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
-    half8 s8 = lo + hi;
-    quarter4 q0, q1;
-    memcpy(&q0, &s8, sizeof q0);
-    memcpy(&q1, (const char *)&s8 + sizeof q0, sizeof q1);
-    quarter4 s4 = q0 + q1;
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
-/* A key (fp32 or bf16, a constant where it is called) times a query, d long, as `dot`. */
-static inline float key_dot(const void *key, const float *q, long d, int bf16) {
-    vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    long i = 0;
-    for (; i + 64 <= d; i += 64) {
-        a0 += load_w(key, i, bf16) * load(q + i);
-        a1 += load_w(key, i + 16, bf16) * load(q + i + 16);
-        a2 += load_w(key, i + 32, bf16) * load(q + i + 32);
-        a3 += load_w(key, i + 48, bf16) * load(q + i + 48);
-    }
-    for (; i + 16 <= d; i += 16) a0 += load_w(key, i, bf16) * load(q + i);
-    float acc = hsum((a0 + a1) + (a2 + a3));
-    for (; i < d; i++) acc += weight(key, i, bf16) * q[i];
-    return acc;
-}
-
 /* For each sequence s and query head h: out = softmax(q . keys * scale) . values over the
    sequence's tokens, head h reading kv head h / (heads / kv_heads). q [S, (heads + 2 kv_heads)
    head_dim] (its q part is read), out [S, heads head_dim], scores [S heads, longest] scratch;
@@ -315,7 +306,7 @@ static void attend(const struct epd_decoder *m, const struct epd_layer *layer,
         for (long t = 0; t < len; t++) {
             long at = (slot[t] * kvh + head) * d;
             const void *key = (const char *)layer->k_cache + at * item;
-            sc[t] = (bf16 ? key_dot(key, qh, d, 1) : key_dot(key, qh, d, 0)) * m->scale;
+            sc[t] = (bf16 ? dot(key, qh, d, 1, 1) : dot(key, qh, d, 0, 1)) * m->scale;
             top = sc[t] > top ? sc[t] : top;
         }
         for (long t = 0; t < len; t++) total += sc[t] = expf(sc[t] - top);
