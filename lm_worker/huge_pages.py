@@ -12,6 +12,7 @@ no free 2 MiB frames, not Linux) the memory is ordinary memory and the loader's 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from pathlib import Path
 
@@ -40,7 +41,10 @@ def empty(nbytes: int) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8)
     pages = -(-max(nbytes, 1) // HUGE_PAGE)  # whole huge pages, and one to align the start
     region = mmap.mmap(-1, (pages + 1) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)  # the mode "never" ignores it
+    # The mode "never" ignores it; a kernel built without THP refuses it (EINVAL): ordinary
+    # pages either way, and the loader's log says so.
+    with contextlib.suppress(OSError):
+        region.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping while it lives
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start : start + nbytes]

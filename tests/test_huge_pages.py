@@ -4,6 +4,8 @@ says how much the kernel granted and gives the reference tokens either way."""
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 from torch import nn
@@ -24,6 +26,18 @@ def test_empty_is_zeroed_and_starts_on_a_huge_page():
     assert not t.any()
     t.fill_(7)  # writable, its own memory
     assert int(t.sum()) == 7 * (5 << 20)
+
+
+def test_a_kernel_without_huge_pages_gives_ordinary_memory(monkeypatch):
+    def refuse(self, *args):
+        raise OSError(22, "Invalid argument")  # madvise on a kernel built without THP
+
+    class Region(mmap.mmap):
+        madvise = refuse
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", Region)
+    t = huge_pages.empty(3 << 20)
+    assert t.numel() == 3 << 20 and not t.any()
 
 
 @granted
