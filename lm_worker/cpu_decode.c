@@ -76,9 +76,10 @@ static inline float hsum(vec v) {
 
 /* w . x over k values, w fp32 or bf16. `short_dot` (a constant at each call site) sums the
    lanes with `hsum`; otherwise the same tree is written as a loop over the lanes, which gcc 12
-   compiles to a spill and a loop over the stack: that costs the attention's 64-wide key dots
-   more than their products, but the weight products read 2-4% faster with it (measured
-   alternately in one process, two builds), so they keep it. The sums are the same bit for bit. */
+   compiles to a spill and a loop over the stack. That costs the attention's 64-wide key dots
+   and the products of several rows (`dot_rows`: one sum per row and sequence) more than their
+   arithmetic, but the one-row products read 2-4% faster with it (each measured alternately in
+   one process, two builds), so they keep it. The sums are the same bit for bit. */
 static inline float dot(const void *w, const float *x, long k, int bf16, int short_dot) {
     vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     long i = 0;
@@ -170,10 +171,7 @@ static inline __attribute__((always_inline)) void dot_rows(const void *w, const 
         }
     }
     for (int s = 0; s < S; s++) {
-        vec v = a[s][0] + a[s][1];
-        for (int half = 8; half > 0; half /= 2)
-            for (int j = 0; j < half; j++) v[j] += v[j + half];
-        out[s] = v[0];
+        out[s] = hsum(a[s][0] + a[s][1]);
         for (long j = i; j < k; j++) out[s] += weight(w, j, bf16) * x[s * k + j];
     }
 }
