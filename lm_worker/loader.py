@@ -53,12 +53,12 @@ def build_engine(
         )
     attention = PagedAttention(lm.block_size, text.head_dim)
     model = family.load_language_model(attention, dtype, device)
-    huge = device.type == "cpu" and lm.cpu_huge_pages
-    if huge:
-        _weights_on_huge_pages(model)
     kernel = "cuda"
     if device.type == "cpu":
         kernel = _choose_cpu_kernel(lm, model)
+    huge = device.type == "cpu" and lm.cpu_huge_pages
+    if huge:  # after the kernel choice: the dense weights it dropped are not copied
+        _weights_on_huge_pages(model)
     num_blocks = _num_kv_blocks(lm, family, dtype, device)
     max_model_len = _fit_context(lm, max_model_len, num_blocks)
     attention.allocate(
@@ -125,7 +125,8 @@ def build_engine(
 
 def _weights_on_huge_pages(model: torch.nn.Module) -> None:
     """The weights copied onto 2 MiB pages (lm_worker/huge_pages.py), before anything keeps
-    pointers into them; the log says how much the kernel granted, and why not where it did not."""
+    pointers into them (the fused decode; the packed kernels hold copies of their own); the
+    log says how much the kernel granted, and why not where it did not."""
     weights = huge_pages.move_parameters(model)
     if weights is None:
         return

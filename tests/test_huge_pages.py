@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lm_worker import huge_pages
+from lm_worker import cpu_kernels, huge_pages
 from tests.lm_helpers import make_engine, run, three_cases
 
 granted = pytest.mark.skipif(
@@ -87,3 +87,16 @@ def test_an_engine_on_huge_pages_logs_them_and_gives_the_reference_tokens(
     out = run(engine, *cases.values())
     for c in cases.values():
         assert out[c.request_id].token_ids == c.expected
+
+
+@pytest.mark.skipif(bool(cpu_kernels.unavailable("onednn")), reason="oneDNN is not in this torch")
+def test_weights_the_kernel_choice_drops_are_not_copied(tiny_checkpoint):
+    """oneDNN for both kernels drops the dense weights (it reads packed copies): the arena holds
+    only the parameters left, one after another."""
+    engine = make_engine(tiny_checkpoint, cpu_linear="onednn")
+    model = engine.runner.model
+    assert all(m.weight is None for m in cpu_kernels.linear_layers(model))
+    params = list(model.parameters())
+    start = min(p.data_ptr() for p in params)
+    end = max(p.data_ptr() + p.nbytes for p in params)
+    assert end - start <= sum(-(-p.nbytes // 64) * 64 for p in params)
