@@ -27,7 +27,13 @@ def channel_status(channel: grpc.Channel, service: str = "", timeout: float = 1.
     try:
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     except grpc.RpcError as e:
-        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        # CANCELLED: the server stopped while it held the call (a role exiting), which the
+        # launcher's start-up poll met as a traceback in place of the role's exit code.
+        if e.code() in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.CANCELLED,
+        ):
             return UNREACHABLE
         raise
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -84,3 +84,25 @@ def test_free_ports_picked_one_after_another_differ():
     assert len(set(ports)) == len(ports)
     for port in ports[:5]:
         assert port_is_free("127.0.0.1", port)
+
+
+def test_a_health_check_the_server_cancels_reads_unreachable():
+    """A role that stops while it holds a health check cancels the call (grpc's CANCELLED, as
+    the launcher's start-up poll met from a role exiting on a dead Redis): no answer, so the
+    poll goes on to see the role's exit code, not an error that ends the launcher."""
+    from concurrent import futures
+
+    from common.health import UNREACHABLE, health_status
+
+    class Stopping(health.HealthServicer):
+        def Check(self, request, context):
+            context.abort(grpc.StatusCode.CANCELLED, "the server is stopping")
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(Stopping(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert health_status(f"127.0.0.1:{port}", timeout=5) == UNREACHABLE
+    finally:
+        server.stop(None)
