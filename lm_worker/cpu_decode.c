@@ -273,13 +273,14 @@ static void rotate(float *x, const float *cos, const float *signed_sin, long d, 
     for (long i = 0; i < d; i++) x[i] = rnd(rnd(x[i] * cos[i], bf16) + rolled[i], bf16);
 }
 
-/* One token's keys or values into its cache slot (fp32 or bf16). */
-static void store(void *cache, long at, const float *v, long n, int bf16) {
+/* n values into dst at `at` (fp32, or rounded to bf16): a token's keys or values into its
+   cache slot, the step's output. */
+static void store(void *dst, long at, const float *v, long n, int bf16) {
     if (!bf16) {
-        memcpy((float *)cache + at, v, n * sizeof *v);
+        memcpy((float *)dst + at, v, n * sizeof *v);
         return;
     }
-    for (long i = 0; i < n; i++) ((uint16_t *)cache)[at + i] = to_bf16(v[i]);
+    for (long i = 0; i < n; i++) ((uint16_t *)dst)[at + i] = to_bf16(v[i]);
 }
 
 /* For each sequence s and query head h: out = softmax(q . keys * scale) . values over the
@@ -324,13 +325,12 @@ int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, 
                       void *out, int threads) {
     long n = m->hidden, d = m->head_dim, heads = m->heads, kvh = m->kv_heads, S = seqs->S;
     long inter = m->intermediate, qkv_rows = (heads + 2 * kvh) * d, bs = m->block_size;
-    long longest = 0, slots[MAX_SEQS];
+    long longest = 0;
     int bf16 = m->bf16;
     if (S < 1 || S > MAX_SEQS) return -2;
     for (long s = 0; s < S; s++) {
         long len = seqs->lens[s];
         if (len < 1 || (len - 1) / bs >= seqs->max_blocks) return -2;
-        slots[s] = slot_of(seqs, s, len - 1, bs);
         longest = len > longest ? len : longest;
     }
     float *x = malloc(S * (2 * n + 2 * d + qkv_rows + heads * d + 2 * inter + heads * longest) *
@@ -356,11 +356,12 @@ int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, 
         products_for(S, layer->qkv_w, h, layer->qkv_b, qkv, qkv_rows, n, bf16, threads);
         for (long s = 0; s < S; s++) {
             float *row = qkv + s * qkv_rows;
+            long slot = slot_table[s * longest + seqs->lens[s] - 1]; /* the new token's */
             for (long i = 0; bf16 && i < qkv_rows; i++) row[i] = rnd(row[i], 1);
             for (long head = 0; head < heads + kvh; head++) /* q's heads, then k's */
                 rotate(row + head * d, cos + s * d, signed_sin + s * d, d, bf16);
-            store(layer->k_cache, slots[s] * kv, row + heads * d, kv, bf16);
-            store(layer->v_cache, slots[s] * kv, row + heads * d + kv, kv, bf16);
+            store(layer->k_cache, slot * kv, row + heads * d, kv, bf16);
+            store(layer->v_cache, slot * kv, row + heads * d + kv, kv, bf16);
         }
         attend(m, layer, seqs, slot_table, qkv, longest, scores, att, threads);
         products_for(S, layer->o_w, att, NULL, h, n, heads * d, bf16, threads);
@@ -381,12 +382,7 @@ int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, 
     }
     for (long s = 0; s < S; s++) {
         rms_norm(x + s * n, m->final_norm, h + s * n, n, m->eps, bf16);
-        for (long i = 0; i < n; i++) {
-            if (bf16)
-                ((uint16_t *)out)[s * n + i] = to_bf16(h[s * n + i]);
-            else
-                ((float *)out)[s * n + i] = h[s * n + i];
-        }
+        store(out, s * n, h + s * n, n, bf16);
     }
     free(x);
     free(slot_table);

@@ -216,12 +216,9 @@ def choose_fused_decode(
     layers and with the modules, alternately, at n = 1, 2, 4, 8 (`max_seqs` in place of those
     above it), and keep the fused layers for the sequence counts up to the largest n where they
     win at every measured count up to it (0: nowhere). Returns that count, and what was
-    measured (or why the fused layers cannot run). The choice is cached in `cache_dir` under
-    the linear kernels' key (CPU, torch, threads, model shape, kernel source): a large model's
-    steps take long to time."""
-    why = why_not_fused(model, attention)
-    if why:
-        return 0, why
+    measured. The caller has checked that it can run (`why_not_fused`: the loader logs why
+    not). The choice is cached in `cache_dir` under the linear kernels' key (CPU, torch,
+    threads, model shape, kernel source): a large model's steps take long to time."""
     limit = min(max_seqs, MAX_SEQS)
     key = f"fused-{choice_key(linear_layers(model), limit)}"
     known = cached_choice(cache_dir, key)

@@ -50,23 +50,23 @@ def empty(nbytes: int) -> torch.Tensor:
     return whole[start : start + nbytes]
 
 
-def huge_bytes(t: torch.Tensor) -> int:
-    """About how many bytes of contiguous `t` are on huge pages now (from /proc/self/smaps: each
-    mapping's huge pages, at most its overlap with `t`)."""
-    lo = t.data_ptr()
-    hi = lo + t.nbytes
-    total, overlap = 0, 0
+def huge_bytes(*tensors: torch.Tensor) -> int:
+    """About how many bytes of the contiguous `tensors` are on huge pages now (from
+    /proc/self/smaps, read once: each mapping's huge pages, at most its overlap with each)."""
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
     except OSError:
         return 0
+    ranges = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors]
+    total, overlaps = 0, []
     for line in lines:
         head = line.split(maxsplit=1)[0]
         if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end ...
             start, end = (int(a, 16) for a in head.split("-"))
-            overlap = max(0, min(end, hi) - max(start, lo))
-        elif head == "AnonHugePages:" and overlap:
-            total += min(overlap, int(line.split()[1]) * 1024)
+            overlaps = [max(0, min(end, hi) - max(start, lo)) for lo, hi in ranges]
+        elif head == "AnonHugePages:" and any(overlaps):
+            huge = int(line.split()[1]) * 1024
+            total += sum(min(overlap, huge) for overlap in overlaps)
     return total
 
 

@@ -89,7 +89,7 @@ class Ours:
     def on_huge_pages(self) -> float:
         """The share of the parameters' bytes on 2 MiB pages (lm_worker/huge_pages.py)."""
         params = list(self.engine.runner.model.parameters())
-        return sum(map(huge_pages.huge_bytes, params)) / sum(p.nbytes for p in params)
+        return huge_pages.huge_bytes(*params) / sum(p.nbytes for p in params)
 
     @property
     def fused_decode(self) -> bool:
