@@ -844,6 +844,12 @@ PROCESS_ENV_SETTINGS = [
         "where epd keeps what it writes for itself (the built-in model); default ~/.cache/epd",
     ),
     EnvSetting(ENV_PREFIX + "API_KEY", "", str, "the API key `epd generate` sends", secret=True),
+    EnvSetting(
+        ENV_PREFIX + "CPU_VECTOR_BITS",
+        "",
+        str,
+        "our C kernels' vectors, 256 or 512 bits (default: the faster, measured at start-up)",
+    ),
 ]
 
 ENV_REGISTRY: dict[str, EnvSetting] = {

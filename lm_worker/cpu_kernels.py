@@ -138,14 +138,20 @@ _PRODUCTS = {"linear": _linear, "onednn": _onednn, "mkl": _mkl, "gemv": _gemv}
 C_SOURCE = Path(__file__).with_name("cpu_decode.c")
 CACHE_FILE = "cpu_kernels.json"  # measured choices, in the cache directory
 C_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+# cpu_decode.c's vectors (EPD_VEC floats): 512 and 256 bits. Which streams weights faster is
+# the CPU's affair: on a 2-core Zen 4 (AVX-512) a chain of one-row products read 1.4x faster
+# with 256-bit vectors, the same loop otherwise. Both are built; `c_library` keeps the faster.
+VECTOR_BITS = (512, 256)
+VECTOR_ENV = "EPD_CPU_VECTOR_BITS"  # an operator's fixed choice instead of the measurement
 
 
 @functools.cache
 def c_library() -> tuple[ctypes.CDLL | None, str]:
     """Our C kernels (cpu_decode.c: the one-row products, and lm_worker/cpu_decode.py's
-    decoder layers), built once per machine and compiler into the cache
-    directory and loaded; or None and why not (no C compiler, a failed build, a torch not on
-    OpenMP, or an OpenMP runtime other than torch's)."""
+    decoder layers), built once per machine and compiler into the cache directory, in each
+    vector width, and loaded in the width measured faster here (`_faster_width`; or the one
+    EPD_CPU_VECTOR_BITS names); or None and why not (no C compiler, a failed build, a torch
+    not on OpenMP, or an OpenMP runtime other than torch's)."""
     if sys.platform != "linux":
         return None, "built on Linux only"
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
@@ -153,8 +159,12 @@ def c_library() -> tuple[ctypes.CDLL | None, str]:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None, "no C compiler (cc, or $CC)"
+    fixed = os.environ.get(VECTOR_ENV, "")
+    if fixed and fixed not in {str(b) for b in VECTOR_BITS}:
+        raise ValueError(f"{VECTOR_ENV}: one of {', '.join(map(str, VECTOR_BITS))}, not {fixed!r}")
+    widths = [int(fixed)] if fixed else list(VECTOR_BITS)
     try:
-        lib = ctypes.CDLL(str(_built_library(compiler)))
+        libs = {bits: ctypes.CDLL(str(_built_library(compiler, bits))) for bits in widths}
     except (OSError, subprocess.SubprocessError) as e:  # a failed build, a noexec cache, ...
         logger.warning("our C kernels (gemv, fused decode) cannot run: %s", e)
         return None, str(e)
@@ -162,14 +172,49 @@ def c_library() -> tuple[ctypes.CDLL | None, str]:
     if len(runtimes) != 1:
         # Two runtimes' thread pools spin against each other on the same cores.
         return None, f"it would not share torch's OpenMP runtime (loaded: {sorted(runtimes)})"
-    for function in (lib.epd_gemv, lib.epd_gemv_bf16):
-        function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int]
-    lib.epd_gemv.restype = None
-    lib.epd_gemv_bf16.restype = ctypes.c_int
-    lib.epd_decode_layers.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int]
-    lib.epd_decode_layers.restype = ctypes.c_int
+    for lib in libs.values():
+        for function in (lib.epd_gemv, lib.epd_gemv_bf16):
+            function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int]
+        lib.epd_gemv.restype = None
+        lib.epd_gemv_bf16.restype = ctypes.c_int
+        lib.epd_decode_layers.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int]
+        lib.epd_decode_layers.restype = ctypes.c_int
+    if fixed:
+        bits, how = int(fixed), f"set by {VECTOR_ENV}"
+    else:
+        bits, how = _faster_width(libs, compiler)
+    logger.info("our C kernels run %d-bit vectors (%s)", bits, how)
+    lib = libs[bits]
     _OPS["gemv"], _OPS["gemv_bf16"] = lib.epd_gemv, lib.epd_gemv_bf16
     return lib, ""
+
+
+def _faster_width(libs: dict[int, ctypes.CDLL], compiler: str) -> tuple[int, str]:
+    """The vector width whose one-row products stream a chain of weights faster (cached per
+    machine, compiler, threads and source), and what was measured. The chain (96 MiB, three
+    times a large L3) streams from memory as a decode step's weights do; the widths take turns,
+    so that a moment of the host's noise falls on both."""
+    threads = torch.get_num_threads()
+    recipe = [_cpu_model(), compiler, threads, _source_digest()]
+    key = "vector-" + hashlib.sha256(json.dumps(recipe).encode()).hexdigest()[:16]
+    known = cached_choice(cache_dir(), key)
+    if known is not None and known.get("bits") in libs:
+        return known["bits"], f"cached: {known['ms']}"
+    n, k, count = 2048, 1536, 8
+    chain = [torch.empty(n, k).fill_(1.0 / k) for _ in range(count)]
+    x, y = torch.ones(k), torch.empty(n)
+    times: dict[int, list[float]] = {bits: [] for bits in libs}
+    for _ in range(5):
+        for bits, lib in libs.items():
+            started = time.perf_counter()
+            for w in chain:
+                lib.epd_gemv(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, k, threads)
+            times[bits].append(time.perf_counter() - started)
+    medians = {bits: sorted(t)[len(t) // 2] for bits, t in times.items()}
+    bits = min(medians, key=lambda b: medians[b])
+    ms = ", ".join(f"{b}-bit {t * 1e3:.2f} ms" for b, t in medians.items())
+    remember_choice(cache_dir(), key, {"bits": bits, "ms": ms})
+    return bits, ms
 
 
 @functools.cache
@@ -181,17 +226,19 @@ def _source_digest() -> str:
         return ""
 
 
-def _built_library(compiler: str) -> Path:
-    """cpu_decode.c built for this CPU by `compiler` (once: kept in the cache directory)."""
+def _built_library(compiler: str, vector_bits: int) -> Path:
+    """cpu_decode.c built for this CPU by `compiler` with vectors of `vector_bits` (once: kept
+    in the cache directory)."""
     if not C_SOURCE.exists():
         raise OSError(f"our kernels' source is not installed: {C_SOURCE}")
-    recipe = [_source_digest().encode(), " ".join(C_FLAGS).encode(), compiler.encode()]
+    flags = [*C_FLAGS, f"-DEPD_VEC={vector_bits // 32}"]
+    recipe = [_source_digest().encode(), " ".join(flags).encode(), compiler.encode()]
     recipe.append(_cpu_model().encode())  # -march=native builds for this CPU
     key = hashlib.sha256(b"\0".join(recipe)).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"cpu-decode-{key}.so"
 
     def build(tmp: str) -> None:
-        command = [compiler, *C_FLAGS, str(C_SOURCE), "-o", tmp]
+        command = [compiler, *flags, str(C_SOURCE), "-o", tmp]
         built = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if built.returncode != 0:
             raise subprocess.SubprocessError(

@@ -47,6 +47,19 @@ def tiny_ref(tiny_checkpoint):
     return ReferenceModel(tiny_checkpoint)
 
 
+@pytest.fixture(params=[512, 256])
+def vector_bits(request, monkeypatch) -> int:
+    """Our C kernels (lm_worker/cpu_decode.c) in each vector width they are built in, loaded
+    afresh for the test (cpu_kernels.c_library), and in the measured width again after it."""
+    from lm_worker import cpu_kernels
+
+    monkeypatch.setenv(cpu_kernels.VECTOR_ENV, str(request.param))
+    cpu_kernels.c_library.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    cpu_kernels.c_library.cache_clear()
+
+
 @pytest.fixture
 def redis_server():
     """A private valkey-server on a free loopback port, stopped (and its directory removed)

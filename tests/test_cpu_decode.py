@@ -60,7 +60,9 @@ def _decode_inputs(engine, seq_lens: list[int], block_size: int):
 @pytest.mark.parametrize(
     "seq_lens", [[1], [16], [37], [37, 1, 9], [5, 40, 16, 8, 3, 22, 17, 2], [600, 3, 257]]
 )
-def test_fused_layers_give_the_modules_logits(tiny_checkpoint, tmp_path, shape, seq_lens, dtype):
+def test_fused_layers_give_the_modules_logits(
+    tiny_checkpoint, tmp_path, shape, seq_lens, dtype, vector_bits
+):
     checkpoint = tiny_checkpoint
     if shape == "odd":  # head_dim 18, intermediate 100: the kernels' tails
         checkpoint = make_checkpoint(

@@ -113,10 +113,10 @@ def test_workers_writing_the_cache_at_once_all_start(tmp_path):
 @pytest.mark.parametrize(
     ("n", "k", "bias"), [(1, 1, True), (7, 63, True), (33, 64, False), (130, 200, True)]
 )
-def test_gemv_gives_f_linear_s_numbers(n, k, bias, threads, dtype):
+def test_gemv_gives_f_linear_s_numbers(n, k, bias, threads, dtype, vector_bits):
     """Every row, whatever the length (the vector loop and its tail), with and without bias,
-    on one thread and on two, in fp32 and bf16 (to a unit of bf16's last place); a [..., k]
-    input keeps its leading shape."""
+    on one thread and on two, in fp32 and bf16 (to a unit of bf16's last place), in either
+    vector width; a [..., k] input keeps its leading shape."""
     torch.manual_seed(n * k)
     layer = nn.Linear(k, n, bias=bias, dtype=dtype)
     x = torch.randn(1, 1, k, dtype=dtype)
@@ -205,6 +205,40 @@ def test_gemv_with_a_cache_it_cannot_write_says_why(gemv_env, tmp_path):
     assert "cache" in unavailable("gemv")  # the OSError names the path
     kernel, _ = choose_linear_kernel(mlp(), batch_rows=4)
     assert "gemv" not in kernel
+
+
+@needs_gemv
+def test_the_vector_width_is_measured_once_or_set(gemv_env, tmp_path, caplog):
+    """The faster width is measured where none is cached, logged with the timings, cached per
+    machine; EPD_CPU_VECTOR_BITS fixes it instead, and a width it is not built in is an error."""
+    gemv_env.setenv("EPD_CACHE_DIR", str(tmp_path))
+    gemv_env.delenv(cpu_kernels.VECTOR_ENV, raising=False)
+    with caplog.at_level("INFO", logger="lm_worker.cpu_kernels"):
+        assert cpu_kernels.c_library()[0] is not None
+        (entry,) = (v for k, v in cached(tmp_path).items() if k.startswith("vector-"))
+        assert entry["bits"] in (512, 256) and "512-bit" in entry["ms"] and "256-bit" in entry["ms"]
+        cpu_kernels.c_library.cache_clear()
+        cpu_kernels.c_library()
+    said = [r.getMessage() for r in caplog.records if "-bit vectors" in r.getMessage()]
+    assert said == [
+        f"our C kernels run {entry['bits']}-bit vectors ({entry['ms']})",
+        f"our C kernels run {entry['bits']}-bit vectors (cached: {entry['ms']})",
+    ]
+    caplog.clear()
+    other = 256 if entry["bits"] == 512 else 512
+    gemv_env.setenv(cpu_kernels.VECTOR_ENV, str(other))
+    cpu_kernels.c_library.cache_clear()
+    with caplog.at_level("INFO", logger="lm_worker.cpu_kernels"):
+        cpu_kernels.c_library()
+    assert f"run {other}-bit vectors (set by EPD_CPU_VECTOR_BITS)" in caplog.text
+    gemv_env.setenv(cpu_kernels.VECTOR_ENV, "128")
+    cpu_kernels.c_library.cache_clear()
+    with pytest.raises(ValueError, match="EPD_CPU_VECTOR_BITS: one of 512, 256, not '128'"):
+        cpu_kernels.c_library()
+
+
+def cached(cache_dir) -> dict:
+    return json.loads((cache_dir / cpu_kernels.CACHE_FILE).read_text())
 
 
 def test_every_pair_of_kernels_has_one_name_and_back():
