@@ -37,6 +37,15 @@ class InputBuffers:
         self.decode_seq_lens = torch.ones(max_num_seqs, dtype=torch.long, device=device)
         # Host-side twin of the block tables, filled with numpy each step, copied in one go.
         self.host_block_tables = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int64)
+        self._decode_metadata: dict[tuple[int, int], PagedAttentionMetadata] = {}
+        # On a CPU, NumPy views of the buffers (the same memory): a step writes them without
+        # torch's dispatch, which it pays with the caches the weights' stream has emptied.
+        self.views: dict[str, np.ndarray] = {}
+        if device.type == "cpu":
+            for name in (
+                "input_ids", "positions", "slot_mapping", "decode_block_tables", "decode_seq_lens"
+            ):  # fmt: skip
+                self.views[name] = getattr(self, name).numpy()
 
     def point_at_null_block(self) -> None:
         """Every slot writes to, and every decode row reads, the null block (before capture)."""
@@ -51,14 +60,44 @@ class InputBuffers:
             return self.positions[0, :num_tokens]
         return self.positions[:, :num_tokens]
 
+    def fill(self, name: str, src: np.ndarray, total: int, value: int, width: int = 0) -> None:
+        """Buffer `name`'s first `total` tokens (or sequences) from `src`, then `value` past
+        it: along the last dimension of the positions ([axes, T]), the first of the others;
+        the block tables `width` blocks wide (0: all). On a CPU through the buffer's NumPy
+        view, on a GPU by a copy from the host."""
+        view = self.views.get(name)
+        dst = getattr(self, name) if view is None else view
+        if name == "positions":
+            dst, src = dst.T, src.T
+        if width:
+            dst = dst[:, :width]
+        n = src.shape[0]
+        if view is not None:
+            dst[:n] = src
+            dst[n:total] = value
+            return
+        dst[:n].copy_(torch.from_numpy(np.ascontiguousarray(src)), non_blocking=True)
+        if total > n:
+            dst[n:total].fill_(value)
+
+    def decode_metadata(self, num_decodes: int, width: int) -> PagedAttentionMetadata:
+        """A decode-only step's metadata: views of the buffers, `width` blocks of each table
+        wide. Made once per shape; each step writes the buffers under them (a step of a few
+        sequences spends more on making tensor views than on filling them)."""
+        key = (num_decodes, width)
+        meta = self._decode_metadata.get(key)
+        if meta is None:
+            meta = self._decode_metadata[key] = PagedAttentionMetadata(
+                slot_mapping=self.slot_mapping[:num_decodes],
+                num_decodes=num_decodes,
+                decode_block_tables=self.decode_block_tables[:num_decodes, :width],
+                decode_seq_lens=self.decode_seq_lens[:num_decodes],
+                prefill_query_lens=[],
+                prefill_seq_lens=[],
+                prefill_block_tables=[],
+            )
+        return meta
+
     def static_decode_metadata(self, num_decodes: int) -> PagedAttentionMetadata:
         """Views of the buffers, full width: what graphs capture and replay."""
-        return PagedAttentionMetadata(
-            slot_mapping=self.slot_mapping[:num_decodes],
-            num_decodes=num_decodes,
-            decode_block_tables=self.decode_block_tables[:num_decodes],
-            decode_seq_lens=self.decode_seq_lens[:num_decodes],
-            prefill_query_lens=[],
-            prefill_seq_lens=[],
-            prefill_block_tables=[],
-        )
+        return self.decode_metadata(num_decodes, self.decode_block_tables.shape[1])

@@ -110,19 +110,19 @@ class MMEmbeddings:
         num_computed_tokens: np.ndarray,  # [num_reqs]
         draft_lookahead: int = 0,
         realtime: dict[str, RealtimeStream] | None = None,
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """-> (embedding slices in token order, is_mm_embed [total_num_scheduled_tokens])."""
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """-> (embedding slices in token order, is_mm_embed [total_num_scheduled_tokens]; None
+        in a step of decodes alone, where no embedding can be wanted)."""
         if draft_lookahead:
             num_computed_tokens = num_computed_tokens + draft_lookahead
-        is_mm_embed = torch.zeros(total_num_scheduled_tokens, dtype=torch.bool)
-
         exclude: list[bool] | None = None
         if not self.is_realtime:
             # Media only sits in prompts: requests past their prompt need nothing.
             is_decode = num_computed_tokens >= prefill_lens
             if is_decode.all():
-                return [], is_mm_embed
+                return [], None
             exclude = is_decode.tolist()
+        is_mm_embed = torch.zeros(total_num_scheduled_tokens, dtype=torch.bool)
 
         window_start = num_computed_tokens.tolist()
         window_end = (num_computed_tokens + num_scheduled_tokens).tolist()

@@ -224,6 +224,7 @@ class ModelRunner:
         slots = np.empty(num_tokens, dtype=np.int64)
         logits_indices, sampling = [], []
         state = self.model_state
+        bs = self.block_size
         for i, request in enumerate(requests):
             start, n = int(computed[i]), int(counts[i])
             at = int(query_start_loc[i])
@@ -231,11 +232,12 @@ class ModelRunner:
             positions[:, at : at + n] = state.positions(
                 request.rope, request.num_prompt_tokens, start, start + n
             )
-            index = np.arange(start, start + n)
-            blocks = np.asarray(request.block_ids, dtype=np.int64)
-            slots[at : at + n] = blocks[index // self.block_size] * self.block_size + (
-                index % self.block_size
-            )
+            if n == 1:  # a decode: one slot, in Python's integers
+                slots[at] = request.block_ids[start // bs] * bs + start % bs
+            else:
+                index = np.arange(start, start + n)
+                blocks = np.asarray(request.block_ids, dtype=np.int64)
+                slots[at : at + n] = blocks[index // bs] * bs + index % bs
             if start + n == request.num_tokens:
                 logits_indices.append(at + n - 1)
                 sampling.append(request)
@@ -249,9 +251,9 @@ class ModelRunner:
             else num_tokens
         )
 
-        _fill(b.input_ids, ids, padded, 0)
-        _fill(b.positions.T, positions.T, padded, 0)
-        _fill(b.slot_mapping, slots, padded, NULL_BLOCK * self.block_size)
+        b.fill("input_ids", ids, padded, 0)
+        b.fill("positions", positions, padded, 0)
+        b.fill("slot_mapping", slots, padded, NULL_BLOCK * bs)
 
         # Decode block tables: full width when padded (graph shapes), else just wide enough.
         decode_rows = padded if pad else num_decodes
@@ -265,22 +267,25 @@ class ModelRunner:
         for i in range(num_decodes):
             row = requests[i].block_ids
             tables[i, : len(row)] = row
-        _fill(b.decode_block_tables[:, :width], tables, decode_rows, NULL_BLOCK)
-        _fill(b.decode_seq_lens, seq_lens, decode_rows, 1)
+        b.fill("decode_block_tables", tables, decode_rows, NULL_BLOCK, width)
+        b.fill("decode_seq_lens", seq_lens, decode_rows, 1)
 
         prefill = range(num_decodes, num_reqs)
-        meta = PagedAttentionMetadata(
-            slot_mapping=b.slot_mapping[:padded],
-            num_decodes=decode_rows,
-            decode_block_tables=b.decode_block_tables[:decode_rows, :width],
-            decode_seq_lens=b.decode_seq_lens[:decode_rows],
-            prefill_query_lens=[int(counts[i]) for i in prefill],
-            prefill_seq_lens=[int(computed[i] + counts[i]) for i in prefill],
-            prefill_block_tables=[
-                torch.as_tensor(requests[i].block_ids, dtype=torch.long, device=self.device)
-                for i in prefill
-            ],
-        )
+        if prefill:
+            meta = PagedAttentionMetadata(
+                slot_mapping=b.slot_mapping[:padded],
+                num_decodes=decode_rows,
+                decode_block_tables=b.decode_block_tables[:decode_rows, :width],
+                decode_seq_lens=b.decode_seq_lens[:decode_rows],
+                prefill_query_lens=[int(counts[i]) for i in prefill],
+                prefill_seq_lens=[int(computed[i] + counts[i]) for i in prefill],
+                prefill_block_tables=[
+                    torch.as_tensor(requests[i].block_ids, dtype=torch.long, device=self.device)
+                    for i in prefill
+                ],
+            )
+        else:
+            meta = b.decode_metadata(decode_rows, width)
         return InputBatch(
             requests=requests,
             num_tokens=num_tokens,
@@ -299,7 +304,9 @@ class ModelRunner:
             use_graph=use_graph,
         )
 
-    def gather_mm_embeddings(self, inputs: InputBatch) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def gather_mm_embeddings(
+        self, inputs: InputBatch
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         return self.mm.gather_mm_embeddings(
             [r.request_id for r in inputs.requests],
             inputs.num_tokens,
@@ -315,7 +322,7 @@ class ModelRunner:
         self,
         inputs: InputBatch,
         mm_embeds: list[torch.Tensor],
-        is_mm_embed: torch.Tensor,
+        is_mm_embed: torch.Tensor | None,
         save_layer: Callable[[int, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:  # [num_sampling, vocab]
         """`save_layer(layer, layer_kv)`: called in an eager forward as each layer's KV is in
@@ -373,17 +380,3 @@ class ModelRunner:
         if start + n <= prompt_len:
             return request.prompt_token_ids[start : start + n]
         return request.all_token_ids[start : start + n]
-
-
-def _fill(dst: torch.Tensor, src: np.ndarray, total: int, fill: int) -> None:
-    """dst[:total] = src, then `fill` past it (along the first dimension). On the CPU through
-    NumPy's view of the buffer: no torch dispatch, which a decode step pays with cold caches."""
-    n = src.shape[0]
-    if dst.device.type == "cpu":
-        view = dst.numpy()
-        view[:n] = src
-        view[n:total] = fill
-        return
-    dst[:n].copy_(torch.from_numpy(np.ascontiguousarray(src)), non_blocking=True)
-    if total > n:
-        dst[n:total].fill_(fill)
