@@ -82,8 +82,9 @@ class InputBuffers:
 
     def decode_metadata(self, num_decodes: int, width: int) -> PagedAttentionMetadata:
         """A decode-only step's metadata: views of the buffers, `width` blocks of each table
-        wide. Made once per shape; each step writes the buffers under them (a step of a few
-        sequences spends more on making tensor views than on filling them)."""
+        wide (graphs capture them full width). Made once per shape; each step writes the
+        buffers under them (a step of a few sequences spends more on making tensor views than
+        on filling them)."""
         key = (num_decodes, width)
         meta = self._decode_metadata.get(key)
         if meta is None:
@@ -97,7 +98,3 @@ class InputBuffers:
                 prefill_block_tables=[],
             )
         return meta
-
-    def static_decode_metadata(self, num_decodes: int) -> PagedAttentionMetadata:
-        """Views of the buffers, full width: what graphs capture and replay."""
-        return self.decode_metadata(num_decodes, self.decode_block_tables.shape[1])

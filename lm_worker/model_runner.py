@@ -359,9 +359,7 @@ class ModelRunner:
         max_model_len keys a sequence), or (not `full_width`) one block wide, as an eager step
         of short sequences has them (to time a step)."""
         b = self.buffers
-        meta = b.static_decode_metadata(num_tokens)
-        if not full_width:
-            meta.decode_block_tables = meta.decode_block_tables[:, :1]
+        meta = b.decode_metadata(num_tokens, b.decode_block_tables.shape[1] if full_width else 1)
         return self.model(
             b.input_ids[:num_tokens] if self.requires_raw_input_tokens else None,
             b.positions_view(num_tokens),
