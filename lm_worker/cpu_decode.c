@@ -234,6 +234,10 @@ struct epd_decoder {
     const float *inv_freq;
     const int32_t *freq_axis;
     long bf16; /* the layers' tensors, the KV cache, input and output in bf16 */
+    /* A whole step (epd_decode_step): the token embedding table and the LM head (no bias),
+       each [vocab, hidden]; NULL where the model offers none. */
+    const void *embed, *head;
+    long vocab;
 };
 
 /* The step's sequences: S of them, sequence s with block table tables[s * table_stride ..]
@@ -329,11 +333,13 @@ static void attend(const struct epd_decoder *m, const struct epd_layer *layer,
     }
 }
 
-/* Every layer on the new tokens of the sequences, their embeddings x_in [S, hidden], then the
-   final norm: out [S, hidden] (x_in and out fp32, or bf16). 0; -1 when there is no memory for
-   the scratch, -2 when a length does not fit its table or S is not 1 .. MAX_SEQS. */
-int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, const void *x_in,
-                      void *out, int threads) {
+/* Every layer on the new tokens of the sequences, then the final norm. The tokens come in as
+   their embeddings x_in [S, hidden], or (x_in NULL) as their ids, looked up in m->embed; out
+   gets the final norm's output [S, hidden], or (ids given) the LM head's logits [S, vocab]
+   (fp32, or bf16 in a bf16 decoder). 0; -1 when there is no memory for the scratch, -2 when a
+   length does not fit its table or S is not 1 .. MAX_SEQS. */
+static int decode(const struct epd_decoder *m, const struct epd_seqs *seqs, const void *x_in,
+                  const int64_t *ids, void *out, int threads) {
     long n = m->hidden, d = m->head_dim, heads = m->heads, kvh = m->kv_heads, S = seqs->S;
     long inter = m->intermediate, qkv_rows = (heads + 2 * kvh) * d, bs = m->block_size;
     long longest = 0;
@@ -344,8 +350,10 @@ int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, 
         if (len < 1 || (len - 1) / bs >= seqs->max_blocks) return -2;
         longest = len > longest ? len : longest;
     }
-    float *x = malloc(S * (2 * n + 2 * d + qkv_rows + heads * d + 2 * inter + heads * longest) *
-                      sizeof *x);
+    long logits = ids && bf16 ? S * m->vocab : 0; /* bf16 logits: computed in fp32 first */
+    float *x = malloc(
+        (S * (2 * n + 2 * d + qkv_rows + heads * d + 2 * inter + heads * longest) + logits) *
+        sizeof *x);
     long *slot_table = malloc(S * longest * sizeof *slot_table);
     if (!x || !slot_table) {
         free(x);
@@ -358,7 +366,9 @@ int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, 
     float *h = x + S * n, *cos = h + S * n, *signed_sin = cos + S * d, *qkv = signed_sin + S * d;
     float *att = qkv + S * qkv_rows, *gate_up = att + S * heads * d;
     float *scores = gate_up + S * 2 * inter;
-    for (long i = 0; i < S * n; i++) x[i] = weight(x_in, i, bf16); /* the residual streams */
+    for (long s = 0; s < S; s++) /* the residual streams */
+        for (long i = 0; i < n; i++)
+            x[s * n + i] = ids ? weight(m->embed, ids[s] * n + i, bf16) : weight(x_in, s * n + i, bf16);
     for (long s = 0; s < S; s++) rotary_tables(m, seqs, s, cos + s * d, signed_sin + s * d);
     long kv = kvh * d; /* one token's keys (or values) in a layer */
     for (long l = 0; l < m->num_layers; l++) {
@@ -391,11 +401,33 @@ int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, 
         products_for(S, layer->down_w, gate_up, NULL, h, n, inter, bf16, threads);
         for (long i = 0; i < S * n; i++) x[i] = rnd(rnd(h[i], bf16) + x[i], bf16);
     }
-    for (long s = 0; s < S; s++) {
-        rms_norm(x + s * n, m->final_norm, h + s * n, n, m->eps, bf16);
-        store(out, s * n, h + s * n, n, bf16);
+    for (long s = 0; s < S; s++) rms_norm(x + s * n, m->final_norm, h + s * n, n, m->eps, bf16);
+    if (!ids) {
+        store(out, 0, h, S * n, bf16);
+    } else if (!bf16) {
+        products_for(S, m->head, h, NULL, out, m->vocab, n, 0, threads);
+    } else {
+        float *y = scores + S * heads * longest;
+        products_for(S, m->head, h, NULL, y, m->vocab, n, 1, threads);
+        store(out, 0, y, S * m->vocab, 1);
     }
     free(x);
     free(slot_table);
     return 0;
+}
+
+int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, const void *x_in,
+                      void *out, int threads) {
+    return decode(m, seqs, x_in, NULL, out, threads);
+}
+
+/* A whole decode step: the tokens `ids` [S] through the embedding table, every layer, the final
+   norm and the LM head, into logits [S, vocab]. As decode(); -3 when the model offers no
+   embedding table or head, -4 when an id is not in the table. */
+int epd_decode_step(const struct epd_decoder *m, const struct epd_seqs *seqs, const int64_t *ids,
+                    void *logits, int threads) {
+    if (!m->embed || !m->head) return -3;
+    for (long s = 0; s < seqs->S; s++)
+        if (ids[s] < 0 || ids[s] >= m->vocab) return -4;
+    return decode(m, seqs, NULL, ids, logits, threads);
 }

@@ -60,6 +60,9 @@ class _Decoder(ctypes.Structure):  # struct epd_decoder
         ("inv_freq", ctypes.c_void_p),
         ("freq_axis", ctypes.c_void_p),
         ("bf16", ctypes.c_long),
+        ("embed", ctypes.c_void_p),
+        ("head", ctypes.c_void_p),
+        ("vocab", ctypes.c_long),
     ]  # fmt: skip
 
 
@@ -92,7 +95,8 @@ class FusedDecode:
             raise ValueError(f"max_seqs must be 1 .. {MAX_SEQS}, got {max_seqs}")
         self.attention = attention
         self.max_seqs = max_seqs
-        self._run = c_library()[0].epd_decode_layers
+        lib = c_library()[0]
+        self._run, self._run_step = lib.epd_decode_layers, lib.epd_decode_step
         cache = attention.kv_cache
         layers = [
             _Layer(
@@ -106,6 +110,18 @@ class FusedDecode:
         self._layers = (_Layer * len(layers))(*layers)
         self._inv_freq = w.inv_freq.float().contiguous()
         self._freq_axis = torch.tensor(w.freq_axis, dtype=torch.int32)
+        dtype = w.final_norm.dtype
+        ends = (w.embed, w.head)
+        # A whole step (`logits`) where both ends are there as the layers' weights are.
+        self.whole_step = (
+            all(
+                t is not None and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+                for t in ends
+            )
+            and w.embed.shape == w.head.shape
+        )
+        if not self.whole_step:
+            ends = (None, None)
         self._decoder = _Decoder(
             len(w.layers),
             w.final_norm.shape[0],
@@ -120,7 +136,9 @@ class FusedDecode:
             w.final_norm.data_ptr(),
             self._inv_freq.data_ptr(),
             self._freq_axis.data_ptr(),
-            w.final_norm.dtype == torch.bfloat16,
+            dtype == torch.bfloat16,
+            *(t.data_ptr() if t is not None else None for t in ends),
+            w.head.shape[0] if self.whole_step else 0,
         )
         # The pointers above are into these tensors: they live as long as this object.
         self._tensors = [w, cache, self._inv_freq, self._freq_axis]
@@ -131,20 +149,50 @@ class FusedDecode:
         positions: torch.Tensor,  # [axes, T] or [T]
         meta: PagedAttentionMetadata,
     ) -> torch.Tensor | None:
-        S = x.shape[0]
-        if (
-            not 1 <= S <= self.max_seqs
-            or meta.num_decodes != S
-            or meta.prefill_query_lens
-            or self.attention.on_layer_written is not None  # the KV connector's per-layer save
-        ):
+        if not self._takes(x.shape[0], meta):
             return None
         x = x.contiguous()
         out = torch.empty_like(x)
+        threads = torch.get_num_threads()
+        self._check(self._run(*self._seqs(positions, meta), x.data_ptr(), out.data_ptr(), threads))
+        return out
+
+    def logits(
+        self,
+        ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [axes, T] or [T]
+        meta: PagedAttentionMetadata,
+    ) -> torch.Tensor | None:
+        """A whole decode step in the one call, token ids to logits ([T, vocab]): the
+        embedding lookup and the LM head besides the layers, where the model offers both
+        (`whole_step`). Each torch call it saves costs tens of microseconds in a decode step,
+        which runs with caches the weights' stream has emptied. None for a step it does not
+        take (as the call)."""
+        if not self.whole_step or not self._takes(ids.shape[0], meta):
+            return None
+        assert ids.dtype == torch.int64 and ids.is_contiguous()
+        dtype = torch.bfloat16 if self._decoder.bf16 else torch.float32
+        out = torch.empty(ids.shape[0], self._decoder.vocab, dtype=dtype)
+        threads = torch.get_num_threads()
+        self._check(
+            self._run_step(*self._seqs(positions, meta), ids.data_ptr(), out.data_ptr(), threads)
+        )
+        return out
+
+    def _takes(self, S: int, meta: PagedAttentionMetadata) -> bool:
+        return (
+            1 <= S <= self.max_seqs
+            and meta.num_decodes == S
+            and not meta.prefill_query_lens
+            and self.attention.on_layer_written is None  # the KV connector's per-layer save
+        )
+
+    def _seqs(self, positions: torch.Tensor, meta: PagedAttentionMetadata) -> tuple:
+        """The C call's first arguments: the decoder, the step's sequences."""
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         assert tables.stride(1) == 1 and lens.is_contiguous() and positions.stride(-1) == 1
         seqs = _Seqs(
-            S,
+            meta.num_decodes,
             tables.data_ptr(),
             tables.stride(0),
             tables.shape[1],
@@ -152,18 +200,17 @@ class FusedDecode:
             positions.data_ptr(),
             positions.stride(0) if positions.dim() == 2 else 0,  # [T]: one axis for all
         )
-        failed = self._run(
-            ctypes.byref(self._decoder),
-            ctypes.byref(seqs),
-            x.data_ptr(),
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
+        return ctypes.byref(self._decoder), ctypes.byref(seqs)  # (byref keeps seqs alive)
+
+    def _check(self, failed: int) -> None:
         if failed == -1:
             raise MemoryError("fused decode: no memory for its scratch")
+        if failed == -4:
+            raise ValueError(
+                f"fused decode: a token id outside the vocabulary of {self._decoder.vocab}"
+            )
         if failed:
             raise RuntimeError("fused decode: a sequence's length does not fit its block table")
-        return out
 
 
 def why_not_fused(model: nn.Module, attention: PagedAttention) -> str:

@@ -177,8 +177,9 @@ def c_library() -> tuple[ctypes.CDLL | None, str]:
             function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int]
         lib.epd_gemv.restype = None
         lib.epd_gemv_bf16.restype = ctypes.c_int
-        lib.epd_decode_layers.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int]
-        lib.epd_decode_layers.restype = ctypes.c_int
+        for function in (lib.epd_decode_layers, lib.epd_decode_step):
+            function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int]
+            function.restype = ctypes.c_int
     if fixed:
         bits, how = int(fixed), f"set by {VECTOR_ENV}"
     else:

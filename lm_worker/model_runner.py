@@ -30,6 +30,7 @@ import torch
 from lm_worker.attention import PagedAttention, PagedAttentionMetadata
 from lm_worker.block_manager import NULL_BLOCK
 from lm_worker.buffers import InputBuffers
+from lm_worker.cpu_decode import FusedDecode
 from lm_worker.cuda_graph import CudaGraphRunner, graph_sizes
 from lm_worker.mm import MMEmbeddings, RealtimeStream
 from lm_worker.request import Request
@@ -329,6 +330,14 @@ class ModelRunner:
         the cache (the KV connector's per-layer save; a graph replay calls nothing)."""
         b = self.buffers
         T, padded = inputs.num_tokens, inputs.num_tokens_padded
+        fused = getattr(self.model, "fused_decode", None)
+        if isinstance(fused, FusedDecode) and not mm_embeds and save_layer is None:
+            # A CPU decode step of a few sequences: token ids to logits in one C call.
+            logits = fused.logits(
+                b.input_ids[:padded], b.positions_view(padded), inputs.attn_metadata
+            )
+            if logits is not None:
+                return logits[inputs.logits_indices]
         embeds = self.model.embed_input_ids(
             b.input_ids[:T],
             [e.to(self.device, self.dtype) for e in mm_embeds] or None,

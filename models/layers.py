@@ -143,3 +143,8 @@ class DecoderWeights:
     intermediate_size: int
     inv_freq: torch.Tensor  # [head_dim / 2] float32
     freq_axis: list[int]  # [head_dim / 2]
+    # The ends of a whole step, token ids to logits (None: the model offers none): the token
+    # embedding table, where a text token's embedding is its row as it is, and the LM head's
+    # weight (no bias); each [vocab, hidden].
+    embed: torch.Tensor | None = None
+    head: torch.Tensor | None = None

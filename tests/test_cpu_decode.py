@@ -26,7 +26,7 @@ needs_c = pytest.mark.skipif(
 def _decode_inputs(engine, seq_lens: list[int], block_size: int):
     """A random KV cache, block tables scattered over it for sequences of `seq_lens` tokens
     (their last one new; tables wider than they need, in a wider buffer as the runner's), those
-    tokens' hidden states and positions."""
+    tokens' ids and positions."""
     runner = engine.runner
     cache = runner.attention.kv_cache
     cache.normal_()
@@ -48,21 +48,24 @@ def _decode_inputs(engine, seq_lens: list[int], block_size: int):
         prefill_seq_lens=[],
         prefill_block_tables=[],
     )
-    x = torch.randn(len(seq_lens), runner.model.config.hidden_size, dtype=cache.dtype)
+    ids = torch.randint(runner.model.config.vocab_size, (len(seq_lens),))
     # M-RoPE positions: past the index after media, each axis its own in general.
     positions = torch.tensor(seq_lens) + torch.tensor([[5], [3], [4]])
-    return x, positions, meta
+    return ids, positions, meta
 
 
 @needs_c
+@pytest.mark.parametrize("whole_step", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", ["tiny", "odd"])
 @pytest.mark.parametrize(
     "seq_lens", [[1], [16], [37], [37, 1, 9], [5, 40, 16, 8, 3, 22, 17, 2], [600, 3, 257]]
 )
 def test_fused_layers_give_the_modules_logits(
-    tiny_checkpoint, tmp_path, shape, seq_lens, dtype, vector_bits
+    tiny_checkpoint, tmp_path, shape, seq_lens, dtype, vector_bits, whole_step
 ):
+    """The layers from the embeddings to the final norm (the model's hook), or the whole step
+    from the token ids to the logits (`FusedDecode.logits`)."""
     checkpoint = tiny_checkpoint
     if shape == "odd":  # head_dim 18, intermediate 100: the kernels' tails
         checkpoint = make_checkpoint(
@@ -73,10 +76,15 @@ def test_fused_layers_give_the_modules_logits(
     engine = build_engine(lm, load_family(checkpoint), dtype, registry=None)
     model, cache = engine.runner.model, engine.runner.attention.kv_cache
     assert model.fused_decode is not None
-    x, positions, meta = _decode_inputs(engine, seq_lens, block_size=8)
+    ids, positions, meta = _decode_inputs(engine, seq_lens, block_size=8)
     before = cache.clone()
     with torch.inference_mode():
-        fused = model.compute_logits(model(None, positions, x.clone(), meta))
+        x = model.embed_input_ids(ids)
+        if whole_step:
+            assert model.fused_decode.whole_step
+            fused = model.fused_decode.logits(ids, positions, meta)
+        else:
+            fused = model.compute_logits(model(None, positions, x.clone(), meta))
         fused_cache = cache.clone()
         cache.copy_(before)
         model.fused_decode = None
@@ -92,18 +100,32 @@ def test_fused_layers_give_the_modules_logits(
 
 
 @needs_c
-def test_the_engine_on_fused_layers_gives_the_reference_tokens(tiny_checkpoint, tiny_ref):
+@pytest.mark.parametrize("whole_step", [True, False])
+def test_the_engine_on_fused_layers_gives_the_reference_tokens(
+    tiny_checkpoint, tiny_ref, whole_step
+):
+    """Through the engine, whole steps (token ids to logits in C) or the layers alone."""
     cases = three_cases(tiny_ref)
     engine = make_engine(tiny_checkpoint, cpu_fused_decode="on", block_size=8)
-    model = engine.runner.model
-    fused, taken = model.fused_decode, []
+    fused, taken = engine.runner.model.fused_decode, []
+    assert fused.whole_step
+    fused.whole_step = whole_step
+    takes, steps_taken = fused._takes, []
 
-    def counted(x, positions, meta):
-        out = fused(x, positions, meta)
-        taken.append((x.shape[0], meta.num_decodes, out is not None))
+    def counted(S, meta):  # both paths ask it; a step not taken may ask twice
+        took = takes(S, meta)
+        taken.append((S, meta.num_decodes, took))
+        return took
+
+    fused._takes = counted
+    logits = fused.logits
+
+    def whole(*args):
+        out = logits(*args)
+        steps_taken.append(out is not None)
         return out
 
-    model.fused_decode = counted
+    fused.logits = whole
     for c in cases.values():  # one at a time: every decode step is fused
         assert run(engine, c)[c.request_id].token_ids == c.expected
     steps = sum(len(c.expected) - 1 for c in cases.values())
@@ -121,6 +143,25 @@ def test_the_engine_on_fused_layers_gives_the_reference_tokens(tiny_checkpoint, 
     for c in cases.values():
         assert out[c.request_id].token_ids == c.expected
     assert (3, 3, False) in taken
+    assert any(steps_taken) == whole_step
+
+
+@needs_c
+def test_a_whole_step_wants_ids_in_the_vocabulary_and_a_dense_head(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint, cpu_fused_decode="on", block_size=8)
+    model = engine.runner.model
+    ids, positions, meta = _decode_inputs(engine, [5, 9], block_size=8)
+    ids[1] = model.config.vocab_size
+    with pytest.raises(ValueError, match="a token id outside the vocabulary"):
+        model.fused_decode.logits(ids, positions, meta)
+    ids[1] = 3
+    with torch.inference_mode():
+        assert model.fused_decode.logits(ids, positions, meta).shape == (2, model.config.vocab_size)
+        model.lm_head.weight = None  # as a packed kernel's choice leaves it: the layers alone
+        fused = FusedDecode(model, engine.runner.attention)
+        assert not fused.whole_step and fused.logits(ids, positions, meta) is None
+        x = model.embed_input_ids(ids)
+        assert fused(x, positions, meta).shape == x.shape
 
 
 @needs_c

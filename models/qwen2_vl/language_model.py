@@ -186,6 +186,8 @@ class Qwen2LanguageModel(nn.Module):
             c.intermediate_size,
             self.rotary.inv_freq.float(),
             axes,
+            self.embed_tokens.weight,
+            self.lm_head.weight,  # None where a packed kernel's choice dropped it
         )
 
     def embed_input_ids(
