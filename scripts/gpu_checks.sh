@@ -3,7 +3,8 @@
 # python3 has torch, transformers, safetensors, tokenizers, pillow, jinja2, xxhash, pyyaml,
 # prometheus-client and pytest). Run from the repository root; prints the figures to record.
 set -euo pipefail
-export PYTHONPATH="$PWD"
+# Keep what the caller put on the path (e.g. carried wheels unpacked to /tmp/site).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 # conftest.py needs the CPU-side extras (redis, grpc health); the GPU files need none of them.
