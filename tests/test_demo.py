@@ -30,6 +30,7 @@ from models.demo.train import (
     PackedMetadata,
     Supervision,
     TrainSettings,
+    _balanced,
     _probes,
     _share,
     evaluate,
@@ -638,6 +639,27 @@ def test_workers_share_each_batch_in_whole_pictures():
         shares = [list(_share(pictures, rank, workers)) for rank in range(workers)]
         assert [p for share in shares for p in share] == list(pictures)
         assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_workers_share_each_batch_by_its_pictures_cost():
+    sizes = {s: [p.size for x in scenes.questions(s, 3) for p in x.pictures] for s in range(40)}
+    planned = {
+        s: [p.size for x in scenes.questions(s, 3, draw=scenes.blank) for p in x.pictures]
+        for s in range(40)
+    }
+    assert planned == sizes  # blank pictures: the drawn ones' sizes, undrawn
+    costs = {s: 10 * s for s in range(16)}
+    for workers in (1, 2, 3):
+        shares = [_balanced(range(16), rank, workers, costs.get) for rank in range(workers)]
+        assert sorted(p for share in shares for p in share) == list(range(16))
+        assert all(share == sorted(share) for share in shares)  # the batch's order kept
+        loads = [sum(costs[p] for p in share) for share in shares]
+        assert max(loads) - min(loads) <= max(costs.values())
+    # Two dear pictures among cheap ones: one each, the cheap ones filling up around them.
+    dear = {0: 100, 1: 100, **{s: 10 for s in range(2, 12)}}
+    shares = [_balanced(range(12), rank, 2, dear.get) for rank in range(2)]
+    assert [sum(dear[p] for p in share) for share in shares] == [150, 150]
+    assert len(shares[0]) == len(shares[1]) == 6
 
 
 def test_a_failing_worker_stops_training_instead_of_hanging(tmp_path):

@@ -17,6 +17,7 @@ import functools
 import io
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -175,6 +176,10 @@ class Placed:
     radius: float
 
 
+# What makes a scene's picture from a seed: the picture and where its shapes were drawn.
+Drawer = Callable[["Scene", int], tuple[Image.Image, tuple[Placed, ...]]]
+
+
 def render(scene: Scene, seed: int, size: tuple[int, int] | None = None) -> Image.Image:
     """The scene drawn at `size` (width, height; random when None), background, shape sizes
     and positions jittered by `seed`."""
@@ -186,12 +191,7 @@ def draw(
 ) -> tuple[Image.Image, tuple[Placed, ...]]:
     """`render`, and where each shape was drawn."""
     rng = random.Random(seed)
-    if size is None:
-        # Any resolution from 72 to 360 pixels a side, aspect ratios 1:2 to 2:1.
-        side = rng.randint(72, 360)
-        aspect = math.exp(rng.uniform(-math.log(2), math.log(2)))
-        size = (max(48, round(side * math.sqrt(aspect))), max(48, round(side / math.sqrt(aspect))))
-    width, height = size
+    width, height = size or random_size(rng)
     # Small pictures are drawn at twice the size, then downsampled, for smooth edges.
     scale = 2 if min(width, height) < 160 else 1
     image = _background(rng, (scale * width, scale * height))
@@ -211,6 +211,13 @@ def draw(
     return image, tuple(placed)
 
 
+def random_size(rng: random.Random) -> tuple[int, int]:
+    """Any resolution from 72 to 360 pixels a side, aspect ratios 1:2 to 2:1 (width, height)."""
+    side = rng.randint(72, 360)
+    aspect = math.exp(rng.uniform(-math.log(2), math.log(2)))
+    return max(48, round(side * math.sqrt(aspect))), max(48, round(side / math.sqrt(aspect)))
+
+
 def png(image: Image.Image) -> bytes:
     # The fastest zlib level: a training step draws dozens of pictures, and the pixels are
     # the same at any level.
@@ -224,6 +231,13 @@ def drawn(scene: Scene, seed: int) -> tuple[Image.Image, tuple[Placed, ...]]:
     """draw(scene, seed), the last ones kept: each question about a picture
     (scenes.questions) draws it again. Never draw into the picture returned."""
     return draw(scene, seed)
+
+
+def blank(scene: Scene, seed: int) -> tuple[Image.Image, tuple[Placed, ...]]:
+    """In place of `drawn`: a blank picture of the size draw(scene, seed) would draw, and
+    no shapes. A sample made with it costs next to nothing and has the real one's sizes (a
+    training step is split between its workers by the size of its pictures)."""
+    return Image.new("1", random_size(random.Random(seed))), ()
 
 
 def _background(rng: random.Random, size: tuple[int, int]) -> Image.Image:
@@ -324,13 +338,15 @@ DESCRIBE = ("What is in this picture?", "Describe the image.", "What do you see?
 SAME_SCENE = "Do these two pictures show the same scene?"
 
 
-def sample(seed: int, kind: QuestionKind | None = None) -> Sample:
-    """The question, answer and images of one seed."""
+def sample(seed: int, kind: QuestionKind | None = None, draw: Drawer | None = None) -> Sample:
+    """The question, answer and images of one seed (pictures made by `draw`, by default
+    `drawn`; `blank` gives their sizes alone)."""
+    draw = draw or drawn
     rng = random.Random(seed * 7919 + 17)
     kinds = list(QUESTION_WEIGHTS)
     kind = kind or rng.choices(kinds, [QUESTION_WEIGHTS[k] for k in kinds])[0]
     scene = random_scene(rng)
-    image, placed = drawn(scene, rng.getrandbits(32))
+    image, placed = draw(scene, rng.getrandbits(32))
     one = ((image,), (scene,), (placed,))
     if kind == "describe":
         return Sample(kind, rng.choice(DESCRIBE), scene.describe(), *one)
@@ -347,7 +363,7 @@ def sample(seed: int, kind: QuestionKind | None = None) -> Sample:
     # question about one of them.
     same = rng.random() < 0.5
     other = scene if same else altered(scene, rng)
-    image2, placed2 = drawn(other, rng.getrandbits(32))
+    image2, placed2 = draw(other, rng.getrandbits(32))
     two = ((image, image2), (scene, other), (placed, placed2))
     if rng.random() < 0.5:
         return Sample(kind, SAME_SCENE, "yes" if same else "no", *two)
@@ -357,7 +373,10 @@ def sample(seed: int, kind: QuestionKind | None = None) -> Sample:
 
 
 def questions(
-    seed: int, count: int, weights: dict[QuestionKind, int] | None = None
+    seed: int,
+    count: int,
+    weights: dict[QuestionKind, int] | None = None,
+    draw: Drawer | None = None,
 ) -> list[Sample]:
     """`count` questions of different kinds (weighted as `weights`, by default
     QUESTION_WEIGHTS) about seed's picture: sample(seed, kind) draws the same scene and
@@ -370,7 +389,7 @@ def questions(
         kind = rng.choices(kinds, [weights[k] for k in kinds])[0]
         if kind not in chosen:
             chosen.append(kind)
-    return [sample(seed, kind) for kind in chosen]
+    return [sample(seed, kind, draw) for kind in chosen]
 
 
 def answer_corpus() -> list[str]:

@@ -201,6 +201,10 @@ class TrainSettings:
     # The two heads may be one: its weight is then split between the two places (each pull
     # is its own loss term). Empty: off (runs MB-MF, RUNS.md).
     compare_heads: tuple[int, ...] = ()
+    # Each joint step's pictures go to the workers by cost (their vision tokens) rather than
+    # in equal counts: a worker given the larger pictures kept the other waiting at the
+    # gradients' all-reduce, about 9% of a step. Off: equal counts (the runs before QA).
+    balance_workers: bool = True
     # Descriptions in order (attention supervision, needs attn_weight): "a red circle, an
     # orange star and a yellow cross" names the shapes in KINDS' order, so each next shape
     # is the one of the least kind after the last named. Besides the colour and kind rows
@@ -580,6 +584,13 @@ class Encoder:
         # a sixth of drawing a batch.
         self._prompts: dict[tuple[str, int], list[int]] = {}
         self._answers: dict[str, list[int]] = {}
+
+    def vision_tokens(self, samples: Sequence[scenes.Sample]) -> int:
+        """The vision tokens of questions about one picture (the first picture of each, the
+        same one, counted once): what their share of a step costs, nearly (the tower runs
+        once per picture, the LM once per token of the shared prefix)."""
+        pictures = [samples[0].pictures[0], *(p for x in samples for p in x.pictures[1:])]
+        return sum(self.processor.picture_grid(p).num_tokens for p in pictures)
 
     def word(self, token_id: int) -> str:
         """A token's text without the spaces around it (the supervision's targets are found
@@ -1153,16 +1164,23 @@ def _train_here(
         first = TRAIN_SEED_BASE + step * settings.batch_size
         seeds = range(first, first + settings.batch_size)
         per = settings.questions_per_picture
-        pictures = _share(seeds[::per], rank, workers)
-        if per == 1 and not weights:
-            return [
-                encoder.example(scenes.sample(s), settings.drawn_labels, None, order)
-                for s in pictures
-            ]
+
+        def asked(s: int, draw: scenes.Drawer | None = None) -> list[scenes.Sample]:
+            if per == 1 and not weights:
+                return [scenes.sample(s, draw=draw)]
+            return scenes.questions(s, min(per, seeds.stop - s), weights, draw)
+
+        if settings.balance_workers:
+            # Planned with blank pictures: their sizes without the drawing.
+            pictures = _balanced(
+                seeds[::per], rank, workers, lambda s: encoder.vision_tokens(asked(s, scenes.blank))
+            )
+        else:
+            pictures = _share(seeds[::per], rank, workers)
         out: list[Example] = []
         for s in pictures:
             processed: Processed = {}
-            for sample in scenes.questions(s, min(per, seeds.stop - s), weights):
+            for sample in asked(s):
                 out.append(encoder.example(sample, settings.drawn_labels, processed, order))
         return out
 
@@ -1193,6 +1211,10 @@ def _train_here(
             supervision,
             settings.share_prefix,
         )
+        if settings.balance_workers and workers > 1:
+            # Shares of unequal size: each worker's mean counts by its share of the questions,
+            # so that the workers' average weighs every question alike.
+            loss = loss * (len(batch) * workers / settings.batch_size)
         loss_value, accuracy = _update(loss, optimizer, schedule, params, right, len(batch))
         if progress:
             progress(settings.tower_steps + step + 1, total, loss_value, accuracy)
@@ -1259,6 +1281,20 @@ def _rank_and_workers() -> tuple[int, int]:
 def _share(items: Sequence[Any], rank: int, workers: int) -> Sequence[Any]:
     """Worker `rank`'s contiguous part of `items` (the parts differ by at most one)."""
     return items[rank * len(items) // workers : (rank + 1) * len(items) // workers]
+
+
+def _balanced(
+    items: Sequence[Any], rank: int, workers: int, cost: Callable[[Any], float]
+) -> list[Any]:
+    """Worker `rank`'s part of `items`, the parts' costs made near equal (the dearest item
+    first, each to the part cheapest so far, ties to the lower rank), in `items`' order."""
+    costs = [cost(x) for x in items]
+    loads = [0.0] * workers
+    owner = [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: -costs[i]):
+        owner[i] = min(range(workers), key=loads.__getitem__)
+        loads[owner[i]] += costs[i]
+    return [x for x, w in zip(items, owner, strict=True) if w == rank]
 
 
 def _check_same_weights(params: list[torch.nn.Parameter]) -> None:

@@ -153,6 +153,10 @@ class MediaProcessor:
             width, height = image.size
         return self._grid("image", 1, height, width, cfg)
 
+    def picture_grid(self, image: Image.Image, kwargs: dict[str, Any] | None = None) -> MediaGrid:
+        """image_grid of a picture in memory (process_picture's), from its size alone."""
+        return self._grid("image", 1, image.height, image.width, self._config("image", kwargs))
+
     def video_grid(
         self, frames: Sequence[bytes], fps: float, kwargs: dict[str, Any] | None = None
     ) -> MediaGrid:
