@@ -44,6 +44,7 @@ from common.served_model import resolve_model
 from connector import EmbeddedRedis, EmbeddedServerError, redact_url
 from connector.embedded import EmbeddedCluster, default_maxmemory
 from connector.registry import restarts_key
+from models.demo import BUILTIN_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -264,10 +265,20 @@ class LocalCluster:
             f"  HTTP       {http}  (OpenAI API under /v1; /dashboard, /health, /metrics)",
             *(f"  {r.name:<11}{r.address}" for r in self.encoders + self.lm_workers),
             f"  redis      {redact_url(c.connector.url)}  ({redis_note})",
-            f'try:       epd generate "Hello" --target {self.proxy.address}',
+            self._try_line(),
             "Ctrl-C stops the cluster.",
         ]
         print("\n".join(lines), flush=True)
+
+    def _try_line(self) -> str:
+        target = f"--target {self.proxy.address}"
+        if Path(self.config.model.path).resolve() == BUILTIN_DIR.resolve():
+            # The built-in model knows pictures of shapes only: text alone gets noise.
+            return (
+                f'try:       epd scene scene.png && epd generate "What is in this picture?" '
+                f"--image scene.png {target}"
+            )
+        return f'try:       epd generate "Hello" {target}'
 
     # ---------------------------------------------------------------------------- run / stop
 

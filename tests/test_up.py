@@ -115,6 +115,8 @@ def test_up_serves_and_ctrl_c_leaves_nothing_behind(up, tmp_path):
     out = "".join(cluster.stdout)
     assert f"127.0.0.1:{cluster.grpc_port}" in out
     assert "encoder-1" in out and "lm-0" in out and "(embedded)" in out
+    # The banner's example asks about a picture: text alone gets noise from this model.
+    assert 'epd generate "What is in this picture?" --image scene.png' in out
 
     children = cluster.descendants()
     names = [" ".join(p.cmdline()) for p in children]
