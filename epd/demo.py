@@ -107,7 +107,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ev.add_argument(
         "--first", type=int, default=0, metavar="SEED",
         help="the first scene's seed (default 0: the held-out scenes are 0-499; the validation "
-        "scenes that chose the shipped draw, 500-1499: --first 500 --count 1000)",
+        "scenes, neither held out nor trained on, 500-4499: --first 500 --count 1000)",
     )  # fmt: skip
     ev.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     ev.add_argument("--timeout", type=float, default=120.0, help="seconds per request")

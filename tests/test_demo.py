@@ -51,10 +51,11 @@ from models.testing.reference import PreparedPrompt
 ROOT = Path(__file__).resolve().parents[1]
 
 # The least exact-match accuracy the shipped model must keep on the tests' subsets of the
-# held-out scenes. It scores 94.6% on all 500 (README: the figure and the command that measures
-# it), 95% on the first 100 and 95.8% (46) on the first 48 on the reference path; the floor
-# lets two of those 48 answers flip on bf16 near-ties through the cluster.
-ACCURACY_FLOOR = 0.91
+# held-out scenes. It scores 95.0% on all 500 (README: the figure and the command that measures
+# it), 92% on the first 100 and 95.8% (46) on the first 48 on the reference path; the floor
+# lets three answers of either subset flip on bf16 near-ties (another CPU's rounding, or the
+# cluster's paged attention). A model answering from the wrong picture scores under 30%.
+ACCURACY_FLOOR = 0.89
 
 # -- the scene world ---------------------------------------------------------------------------
 
@@ -420,8 +421,9 @@ SMALL = replace(
     num_kv_heads=1, mrope_section=(2, 3, 3), vision_depth=1, vision_hidden=32,
     vision_heads=1, vision_intermediate=32, fullatt_block_indexes=(0,),
 )  # fmt: skip
-# SMALL has two query heads: the recipe's match heads (3, 2) become its heads 1 and 0.
-SMALL_HEADS = {"match_heads": (1, 0)}
+# SMALL has two query heads: the recipe's match heads (3, 2) become its heads 1 and 0, and
+# its compare heads (2, 3) heads 0 and 1.
+SMALL_HEADS = {"match_heads": (1, 0), "compare_heads": (0, 1)}
 
 
 def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):

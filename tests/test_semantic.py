@@ -142,7 +142,7 @@ def test_multi_image_prompts_are_answered_about_the_right_image(cluster):
                 samples.append(scenes.Sample("same", question, "", images, ()))
     want = expected(samples)
     # The reference path's answers depend on the pictures' order (in all 12 pairs with the
-    # shipped model, which answers 27 of the 48 right): a request whose pictures were swapped
+    # shipped model, which answers 32 of the 48 right): a request whose pictures were swapped
     # or mixed up on the way answers about the wrong one.
     # samples[4k .. 4k+3]: (a, b) first, (a, b) second, (b, a) first, (b, a) second.
     assert sum(want[i] != want[i + 2] for i in range(0, len(want), 4)) >= len(want) // 8
@@ -151,8 +151,9 @@ def test_multi_image_prompts_are_answered_about_the_right_image(cluster):
     # Pictures swapped on the way would change the colours of at least 6 answers (the pairs
     # whose answers depend on the order). Two may differ: two unrelated pictures are not what
     # the model was trained on (its two-picture questions are about one scene and an altered
-    # copy), and on one pair the shipped model is unsure of every word (the reference path
-    # answers "a red square and a green star" in bf16, a run of repeated shapes in float32).
+    # copy), and on such a pair the model can be unsure of every word (the model shipped
+    # before this one answered "a red square and a green star" in bf16 on one, a run of
+    # repeated shapes in float32).
     differ = sum(a != b for a, b in zip(colours(got), colours(want), strict=True))
     assert differ <= 2, list(zip(got, want, strict=True))
     assert agreement(got, want) >= MIN_AGREEMENT
