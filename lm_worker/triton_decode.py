@@ -29,6 +29,7 @@ import triton.language as tl
 
 TILE = 64  # tokens a split program reads per iteration
 TARGET_PROGRAMS = 4  # split programs per multiprocessor, at least (where the table is wide)
+NUM_WARPS = 4  # per split program (Triton's default)
 # Triton's interpreter (TRITON_INTERPRET=1: the kernel on CPU tensors, tests/
 # test_triton_interpreter.py) computes bf16 and fp16 products wrongly (Triton 3.9: errors of
 # 1e10 on a 16 x 16 product): there the kernel casts keys, values and queries to float32
@@ -228,6 +229,7 @@ def paged_decode(
         BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 or _INTERPRETED else "tf32",
         UPCAST=_INTERPRETED,
+        num_warps=NUM_WARPS,
     )
     out = torch.empty_like(q)
     _combine_kernel[(num_seqs, num_heads)](
