@@ -100,12 +100,16 @@ def wait_healthy(cluster: Cluster, timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
-def lms_idle(cluster: Cluster) -> bool:
+def lm_loads(cluster: Cluster) -> dict[str, dict | None]:
+    """Each LM worker's load as the proxy last polled it, by address (None: not yet)."""
     _, state = cluster.http("/dashboard/state")
-    loads = [w["load"] for w in state["workers"] if w["role"] == "lm"]
+    return {w["address"]: w["load"] for w in state["workers"] if w["role"] == "lm"}
+
+
+def lms_idle(cluster: Cluster) -> bool:
     return all(
         load is not None and load["running_requests"] == 0 and load["waiting_requests"] == 0
-        for load in loads
+        for load in lm_loads(cluster).values()
     )
 
 
@@ -173,15 +177,11 @@ def busiest_lm(cluster: Cluster, timeout: float = 10) -> str:
     names = {cluster.roles[n].address: n for n in cluster.roles if n.startswith("lm-")}
     deadline = time.monotonic() + timeout
     while True:
-        _, state = cluster.http("/dashboard/state")
-        running = {
-            w["address"]: w["load"]["running_requests"]
-            for w in state["workers"]
-            if w["role"] == "lm" and w["load"] is not None
-        }
+        loads = lm_loads(cluster)
+        running = {a: load["running_requests"] for a, load in loads.items() if load is not None}
         if running and max(running.values()) > 0:
             return names[max(running, key=running.get)]
-        assert time.monotonic() < deadline, state["workers"]
+        assert time.monotonic() < deadline, loads
         time.sleep(0.05)
 
 

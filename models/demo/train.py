@@ -1174,7 +1174,7 @@ def _train_here(
                 return [scenes.sample(s, draw=draw)]
             return scenes.questions(s, min(per, seeds.stop - s), weights, draw)
 
-        if settings.balance_workers:
+        if settings.balance_workers and workers > 1:
             # Planned with blank pictures: their sizes without the drawing.
             pictures = _balanced(
                 seeds[::per], rank, workers, lambda s: encoder.vision_tokens(asked(s, scenes.blank))
