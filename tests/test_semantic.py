@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import json
 import random
-import subprocess
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -22,11 +21,11 @@ import openai
 import pytest
 import redis
 
-from common.process import epd_command
 from common.served_model import builtin_model
 from epd.demo import ask
 from models.demo import scenes
 from models.demo.train import Accuracy, answers
+from tests.test_benches import bench
 from tests.test_demo import ACCURACY_FLOOR
 
 HELD_OUT = range(48)  # of the 500 held-out scenes (seeds 0 .. 499); the README has all 500
@@ -183,30 +182,22 @@ def test_answers_hold_during_and_after_bench_serve_load(cluster):
     again after it: load must not hand a request another's embedding, KV blocks or prefix."""
     samples = [scenes.sample(seed) for seed in range(48, 72)]  # held out, others than HELD_OUT
     want = expected(samples)
-    target = f"127.0.0.1:{cluster.proxy_grpc}"
     encoded = cluster.metric("epd_mm_items_total", result="encoded")
-    load = subprocess.Popen(
-        epd_command(
-            "bench", "serve", "--target", target, "--topology", "e+pd",
+    with ThreadPoolExecutor(1) as background, ThreadPoolExecutor(4) as pool:
+        load = background.submit(
+            bench,
+            "serve", "--target", f"127.0.0.1:{cluster.proxy_grpc}", "--topology", "e+pd",
             "--num-requests", "32", "--request-rate", "inf,8", "--reuse", "0.5",
             "--image-width", "160", "--image-height", "120", "--output-tokens", "16",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    # Asked once the load is on: its warm-up and its first burst's pictures are being encoded.
-    cluster.wait_metric("epd_mm_items_total", encoded + 4, timeout=60, result="encoded")
-    rounds = []  # the questions again and again until the load is over (its two rates)
-    with ThreadPoolExecutor(4) as pool:
-        while not rounds or load.poll() is None:
+        )  # fmt: skip
+        # Asked once the load is on: its warm-up and first burst's pictures are being encoded.
+        cluster.wait_metric("epd_mm_items_total", encoded + 4, timeout=60, result="encoded")
+        rounds = []  # the questions again and again until the load is over (its two rates)
+        while not rounds or not load.done():
             rounds.append(list(pool.map(lambda s: ask(cluster.stub, s, 120), samples)))
-    out, err = load.communicate(timeout=240)
-    assert load.returncode == 0, err[-2000:]
-    rows = json.loads(out.strip().splitlines()[-1])["results"]
-    assert [(r["completed"], r["failed"]) for r in rows] == [(32, 0), (32, 0)], rows
-    with ThreadPoolExecutor(4) as pool:
-        after = list(pool.map(lambda s: ask(cluster.stub, s, 60), samples))
+        rows = load.result()["results"]
+        assert [(r["completed"], r["failed"]) for r in rows] == [(32, 0), (32, 0)], rows
+        after = list(pool.map(lambda s: ask(cluster.stub, s, 120), samples))
     for got in [*rounds, after]:
         assert colours(got) == colours(want), list(zip(got, want, strict=True))
         assert agreement(got, want) >= MIN_AGREEMENT
