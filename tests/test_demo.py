@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import platform
+import random
 import subprocess
 import sys
 from dataclasses import replace
@@ -95,6 +96,16 @@ def test_render_sizes_backgrounds_and_descriptions():
     # The red circle sits in the top middle: its centre pixel is red-dominant.
     r, g, b = fixed.getpixel((100, 20))
     assert r > 150 and g < 100 and b < 100
+
+
+def test_noise_blocks_are_randints_drawn_the_same_way():
+    # scenes._noise replaces a randint a block: the same bytes, and the generator left in
+    # the same state (the shapes after the background draw the same numbers).
+    for seed in range(200):
+        a, b = random.Random(seed), random.Random(seed)
+        count = 1 + 11 * seed
+        assert scenes._noise(a, count) == bytes(128 + b.randint(-24, 24) for _ in range(count))
+        assert a.random() == b.random()
 
 
 @pytest.mark.parametrize(
