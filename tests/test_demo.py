@@ -104,7 +104,7 @@ def test_noise_blocks_are_randints_drawn_the_same_way():
     for seed in range(200):
         a, b = random.Random(seed), random.Random(seed)
         count = 1 + 11 * seed
-        assert scenes._noise(a, count) == bytes(128 + b.randint(-24, 24) for _ in range(count))
+        assert scenes._noise(a, count, 24) == bytes(128 + b.randint(-24, 24) for _ in range(count))
         assert a.random() == b.random()
 
 

@@ -263,7 +263,7 @@ def _background(rng: random.Random, size: tuple[int, int]) -> Image.Image:
     elif style == "noise":
         # Blocks of 8 pixels, each shifted by up to +-24 grey levels.
         cols, rows = -(-width // 8), -(-height // 8)
-        values = _noise(rng, cols * rows)
+        values = _noise(rng, cols * rows, 24)
         noise = Image.frombytes("L", (cols, rows), values).resize(size, Image.Resampling.NEAREST)
         image = Image.merge(
             "RGB", [Image.eval(noise, lambda v, c=c: min(255, max(0, c + v - 128))) for c in base]
@@ -271,17 +271,19 @@ def _background(rng: random.Random, size: tuple[int, int]) -> Image.Image:
     return image
 
 
-def _noise(rng: random.Random, count: int) -> bytes:
-    """bytes(128 + rng.randint(-24, 24) for _ in range(count)), the same numbers drawn the
-    same way (randint's rejection sampling on 6 random bits), without its three calls a
-    number: a noise background has up to 2,000 blocks, and training draws thousands."""
-    bits = rng.getrandbits
+def _noise(rng: random.Random, count: int, spread: int) -> bytes:
+    """bytes(128 + rng.randint(-spread, spread) for _ in range(count)), the same numbers drawn
+    the same way (randint's rejection sampling on just enough random bits), without its
+    three calls a number: a noise background has up to 2,000 blocks, and training draws
+    thousands."""
+    span = 2 * spread + 1
+    width, bits = span.bit_length(), rng.getrandbits
     values = bytearray(count)
     for i in range(count):
-        r = bits(6)
-        while r >= 49:
-            r = bits(6)
-        values[i] = 104 + r
+        r = bits(width)
+        while r >= span:
+            r = bits(width)
+        values[i] = 128 - spread + r
     return bytes(values)
 
 
