@@ -1,23 +1,52 @@
 """Which family serves a checkpoint: config.json's `architectures` -> the family's class.
 
-Adding a family is its own module under models/ plus one line here. Family modules are
-imported only when a checkpoint of theirs is loaded.
+ARCHITECTURES is the one list of what we serve: each entry's short name (`epd make-model
+--arch`, config.json's `model_type`), its Hugging Face class (config.json's `architectures`)
+and its family. Adding a family is its own module under models/ plus one line here. Family
+modules are imported only when a checkpoint of theirs is loaded.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
 
 from models.checkpoint import CheckpointError, read_json
 from models.family import FamilyOptions, ModelFamily
 
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture we serve."""
+
+    name: str  # short name: `epd make-model --arch`, config.json's model_type
+    hf_class: str  # config.json's `architectures` entry
+    family: str  # "module:FamilyClass", imported when a checkpoint of it is loaded
+
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture("qwen2_vl", "Qwen2VLForConditionalGeneration", "models.qwen2_vl:Qwen2VLFamily"),
+    Architecture(
+        "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "models.qwen2_vl:Qwen2VLFamily"
+    ),
+    Architecture(
+        "voxtral_realtime",
+        "VoxtralRealtimeForConditionalGeneration",
+        "models.voxtral_realtime:VoxtralRealtimeFamily",
+    ),
+)
+ARCH_NAMES: tuple[str, ...] = tuple(a.name for a in ARCHITECTURES)
 # architecture (config.json) -> "module:FamilyClass"
-FAMILIES: dict[str, str] = {
-    "Qwen2VLForConditionalGeneration": "models.qwen2_vl:Qwen2VLFamily",
-    "Qwen2_5_VLForConditionalGeneration": "models.qwen2_vl:Qwen2VLFamily",
-    "VoxtralRealtimeForConditionalGeneration": "models.voxtral_realtime:VoxtralRealtimeFamily",
-}
+FAMILIES: dict[str, str] = {a.hf_class: a.family for a in ARCHITECTURES}
+
+
+def arch_by_name(name: str) -> Architecture:
+    """The entry of a short name ('qwen2_vl'); ValueError naming the known ones otherwise."""
+    for arch in ARCHITECTURES:
+        if arch.name == name:
+            return arch
+    raise ValueError(f"arch must be one of {sorted(ARCH_NAMES)}, got {name!r}")
 
 
 def family_class(architecture: str) -> type[ModelFamily]:

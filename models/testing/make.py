@@ -27,14 +27,9 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from models.checkpoint import read_header, weight_map
 from models.qwen2_vl.vision import VISION_TENSORS
+from models.registry import arch_by_name
 
-Arch = Literal["qwen2_vl", "qwen2_5_vl", "voxtral_realtime"]
 Size = Literal["tiny", "small"]
-
-ARCH_CLASSES = {
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-}
 
 # The family's added tokens, in the family's order, after the BPE vocabulary.
 SPECIAL_TOKENS = (
@@ -185,19 +180,21 @@ TOKENS_PER_SECOND = 2
 
 
 def make_checkpoint(
-    out_dir: str | Path, arch: Arch, size: Size = "tiny", seed: int = 0, **overrides: Any
+    out_dir: str | Path, arch: str, size: Size = "tiny", seed: int = 0, **overrides: Any
 ) -> Path:
     """Write a random checkpoint into `out_dir` (created; must be empty) and return it.
 
-    `overrides` replace fields of the size's `Shape` (e.g. tie_word_embeddings=True).
+    `arch` is a short name from models/registry.py's ARCHITECTURES. `overrides` replace
+    fields of the size's `Shape` (e.g. tie_word_embeddings=True).
     """
-    if arch == "voxtral_realtime":
+    family = arch_by_name(arch).family  # ValueError for a name the registry does not list
+    module = family.partition(":")[0]
+    if module == "models.voxtral_realtime":
         from models.testing.make_voxtral import make_voxtral_checkpoint
 
         return make_voxtral_checkpoint(out_dir, size, seed, **overrides)
-    if arch not in ARCH_CLASSES:
-        known = sorted([*ARCH_CLASSES, "voxtral_realtime"])
-        raise ValueError(f"arch must be one of {known}, got {arch!r}")
+    if module != "models.qwen2_vl":
+        raise ValueError(f"make-model writes no {arch!r} checkpoints (family {family})")
     if size not in SHAPES:
         raise ValueError(f"size must be one of {sorted(SHAPES)}, got {size!r}")
     shape = replace(SHAPES[size], **overrides)
@@ -308,7 +305,7 @@ def _tokenizer_config(ids: dict[str, int]) -> dict[str, Any]:
 # -- configs -----------------------------------------------------------------------------------
 
 
-def _config(arch: Arch, s: Shape, ids: dict[str, int]) -> dict[str, Any]:
+def _config(arch: str, s: Shape, ids: dict[str, int]) -> dict[str, Any]:
     text = {
         "attention_dropout": 0.0,
         "bos_token_id": ids["<|endoftext|>"],
@@ -362,7 +359,7 @@ def _config(arch: Arch, s: Shape, ids: dict[str, int]) -> dict[str, Any]:
             "window_size": s.window_size,
         }
     return {
-        "architectures": [ARCH_CLASSES[arch]],
+        "architectures": [arch_by_name(arch).hf_class],
         "dtype": "float32",
         "image_token_id": ids["<|image_pad|>"],
         "model_type": arch,
@@ -383,7 +380,7 @@ def _generation_config(ids: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _processor_configs(arch: Arch, s: Shape) -> tuple[dict[str, Any], dict[str, Any]]:
+def _processor_configs(arch: str, s: Shape) -> tuple[dict[str, Any], dict[str, Any]]:
     processor = "Qwen2_5_VLProcessor" if arch == "qwen2_5_vl" else "Qwen2VLProcessor"
     common = {
         "do_convert_rgb": True,
@@ -414,7 +411,7 @@ def _processor_configs(arch: Arch, s: Shape) -> tuple[dict[str, Any], dict[str, 
 # -- weights -----------------------------------------------------------------------------------
 
 
-def _tensor_shapes(arch: Arch, s: Shape) -> dict[str, tuple[int, ...]]:
+def _tensor_shapes(arch: str, s: Shape) -> dict[str, tuple[int, ...]]:
     """Every tensor of the checkpoint, under the released checkpoints' names."""
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (s.vocab_size, s.hidden_size)
@@ -485,7 +482,7 @@ def _tensor_shapes(arch: Arch, s: Shape) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _random_weights(arch: Arch, s: Shape, seed: int) -> dict[str, torch.Tensor]:
+def _random_weights(arch: str, s: Shape, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in sorted(_tensor_shapes(arch, s).items()):
