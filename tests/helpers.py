@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 
@@ -14,6 +17,31 @@ from common.signing import HashSigner
 
 # The cluster secret of every role a test starts (conftest puts it in the environment).
 TEST_CLUSTER_SECRET = "epd-test-cluster-secret-0123456789"
+
+T = TypeVar("T")
+
+
+def wait_until(
+    condition: Callable[[], T], what: str, timeout: float = 30.0, every: float = 0.02
+) -> T:
+    """Until `condition()` is true (polled every `every` s); its value. Fails naming `what` at
+    the deadline: a wait on the event a test means, never a fixed sleep standing in for it."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(every)
+    return value
+
+
+async def wait_until_async(
+    condition: Callable[[], T], what: str, timeout: float = 30.0, every: float = 0.02
+) -> T:
+    """wait_until inside an event loop: sleeps with asyncio, so the loop's tasks run."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        await asyncio.sleep(every)
+    return value
 
 
 def sign(mm_hash: str) -> bytes:

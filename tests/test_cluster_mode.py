@@ -14,6 +14,7 @@ import redis
 from models.testing import ImageItem
 from proto import epd_pb2_grpc
 from tests.cluster_helpers import Cluster, http_json, image_bytes
+from tests.helpers import wait_until
 
 MAX_TOKENS = 8
 
@@ -143,12 +144,23 @@ def second_proxy(cluster):
     channel.close()
 
 
+MM_RESULTS = ("held", "encoded", "deduplicated")  # every media item counted once, under one
+
+
+def mm_items(cluster, http_b: int, *results: str) -> float:
+    """Media items both proxies counted under `results` (epd_mm_items_total)."""
+    return sum(
+        cluster.metric("epd_mm_items_total", result=r)
+        + proxy_metric(http_b, "epd_mm_items_total", result=r)
+        for r in results
+    )
+
+
 def test_two_proxies_encode_ten_identical_new_images_once(cluster, second_proxy, tiny_ref):
     stub_b, http_b = second_proxy
     image = image_bytes(60, 60, 21)
-    before = cluster.metric("epd_mm_items_total", result="encoded") + proxy_metric(
-        http_b, "epd_mm_items_total", result="encoded"
-    )
+    before = mm_items(cluster, http_b, "encoded")
+    counted = mm_items(cluster, http_b, *MM_RESULTS)
     results: dict[int, list[int]] = {}
 
     def call(i):
@@ -163,19 +175,15 @@ def test_two_proxies_encode_ten_identical_new_images_once(cluster, second_proxy,
     assert len(results) == 10
     for i, tokens in results.items():
         assert tokens == expected(tiny_ref, f"Two proxies {i}", [image])[:4]
-    deadline = time.monotonic() + 20
-    while True:
-        encoded = cluster.metric("epd_mm_items_total", result="encoded") + proxy_metric(
-            http_b, "epd_mm_items_total", result="encoded"
-        )
-        if encoded >= before + 1 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    time.sleep(0.3)  # a second encode, had there been one, is counted by now
-    encoded = cluster.metric("epd_mm_items_total", result="encoded") + proxy_metric(
-        http_b, "epd_mm_items_total", result="encoded"
+    # An item a proxy encodes is counted when the encoder's reply reaches it, which may be after
+    # the LM is done: once all ten requests' items are counted, a second encode would be too.
+    wait_until(
+        lambda: mm_items(cluster, http_b, *MM_RESULTS) >= counted + 10,
+        "both proxies to count the ten requests' media items",
+        timeout=20,
     )
-    assert encoded == before + 1
+    assert mm_items(cluster, http_b, *MM_RESULTS) == counted + 10
+    assert mm_items(cluster, http_b, "encoded") == before + 1
 
 
 def marks(redis_cluster) -> list[bytes]:

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from connector import AsyncECConnector, ConnectorError, ECConnector, EmbeddedRedis, wire
 from connector.client import sync_client
 from connector.local_tier import LocalTier
+from tests.helpers import wait_until_async
 
 FP = "fp0123abcd"
 
@@ -297,13 +298,22 @@ async def test_async_flavour_round_trip_and_shared_subscription(redis_server):
 
 async def test_async_waiters_recheck_after_the_subscription_comes_back():
     server = EmbeddedRedis().start()
-    connector = AsyncECConnector(server.url, FP, registry=CollectorRegistry())
+    registry = CollectorRegistry()
+    connector = AsyncECConnector(server.url, FP, registry=registry)
     try:
         waiting = asyncio.create_task(connector.wait_for(["after-restart"], 60))
-        await asyncio.sleep(0.3)
+        with redis.Redis.from_url(server.url) as raw:
+            await wait_until_async(
+                lambda: raw.pubsub_numsub(connector.sync.channel)[0][1] == 1,
+                "the waiter's subscription",
+            )
+        lost = sample(registry, "epd_ec_redis_errors_total", kind="connection")
         port = server.port
         server.stop()
-        await asyncio.sleep(0.3)
+        await wait_until_async(
+            lambda: sample(registry, "epd_ec_redis_errors_total", kind="connection") > lost,
+            "the connector to see its subscription lost",
+        )
         server = EmbeddedRedis(port=port).start()
         # Published before the subscription is back: only the re-check can see it.
         ECConnector(server.url, FP, registry=None).put("after-restart", torch.ones(1))

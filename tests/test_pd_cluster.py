@@ -22,6 +22,7 @@ from models.testing import ImageItem
 from proto import epd_pb2, epd_pb2_grpc
 from proxy.prepare import ChatMessage, Part, RequestBuilder
 from tests.cluster_helpers import Cluster, image_bytes
+from tests.helpers import wait_until
 
 MAX_TOKENS = 12
 ROLES = ("prefill", "decode", "decode")
@@ -72,7 +73,15 @@ def expected(ref, text: str, images=(), max_tokens: int = MAX_TOKENS) -> list[in
 
 def kv_loads(cluster: Cluster, count: int = 3) -> dict[str, dict]:
     """The LM workers' roles and KV counters, as the proxy last polled them, by role name."""
-    loads = wait_roles(cluster, count)
+    return by_role(cluster, wait_roles(cluster, count))
+
+
+def kv_loads_now(cluster: Cluster, count: int = 3) -> dict[str, dict]:
+    """kv_loads from a poll after this call (see polled_loads)."""
+    return by_role(cluster, polled_loads(cluster, count))
+
+
+def by_role(cluster: Cluster, loads: dict[str, dict]) -> dict[str, dict]:
     return {
         f"{ROLES[i]}-{i}": loads[address]
         for i, address in enumerate(cluster.lm_addresses)
@@ -80,11 +89,55 @@ def kv_loads(cluster: Cluster, count: int = 3) -> dict[str, dict]:
     }
 
 
-def running_requests(address: str) -> int:
-    """An LM worker's running requests, asked of it directly."""
+# Counters (since the worker started) that the proxy shows of an LM worker's GetLoad answer.
+LOAD_COUNTERS = (
+    "kv_bytes_sent",
+    "kv_blocks_pulled",
+    "ec_local_hits",
+    "ec_local_misses",
+    "ec_redis_hits",
+    "ec_redis_misses",
+)
+
+
+def polled_loads(cluster: Cluster, count: int = 3, timeout: float = 30) -> dict[str, dict]:
+    """The LM workers' loads as the proxy shows them (address -> load), once it has polled
+    every live one after this call: until its view of each worker's counters has reached what
+    the worker itself answers now (they only grow)."""
+    own = {
+        address: own_load(address)
+        for i, address in enumerate(cluster.lm_addresses)
+        if cluster.roles[f"lm-{i}"].child.poll() is None
+    }
+
+    def caught_up() -> dict[str, dict] | None:
+        loads = wait_roles(cluster, count)
+        fresh = all(
+            address in loads
+            and all(loads[address].get(k, 0) >= getattr(load, k) for k in LOAD_COUNTERS)
+            for address, load in own.items()
+        )
+        return loads if fresh else None
+
+    return wait_until(caught_up, "a load poll of every LM worker after the event", timeout)
+
+
+def own_load(address: str) -> epd_pb2.LMLoad:
+    """An LM worker's load, asked of it directly."""
     with grpc.insecure_channel(address) as channel:
         stub = epd_pb2_grpc.LanguageModelStub(channel)
-        return stub.GetLoad(epd_pb2.GetLoadRequest(), timeout=5).running_requests
+        return stub.GetLoad(epd_pb2.GetLoadRequest(), timeout=5)
+
+
+def running_requests(address: str) -> int:
+    """An LM worker's running requests, asked of it directly."""
+    return own_load(address).running_requests
+
+
+def outstanding(cluster: Cluster, address: str) -> int:
+    """Tokens the proxy has sent the worker at `address` and not seen finish."""
+    _, state = cluster.http("/dashboard/state")
+    return next(w["outstanding"] for w in state["workers"] if w["address"] == address)
 
 
 @pytest.mark.parametrize("tail", [1, 9])
@@ -132,8 +185,7 @@ def test_prefill_then_decode_equals_the_reference(cluster, tiny_ref, text, image
     assert cluster.metric("epd_pd_handovers_total") == handovers + 1
     # The decode worker took the whole prompt from the KV tier.
     assert last.usage.cached_prompt_tokens == last.usage.prompt_tokens
-    time.sleep(0.5)  # a load poll after the request
-    loads = kv_loads(cluster)
+    loads = kv_loads_now(cluster)
     prefill = loads["prefill-0"]
     assert prefill["kv_bytes_sent"] > 0
     assert prefill["kv_transfer_p99_seconds"] >= prefill["kv_transfer_p50_seconds"] > 0
@@ -164,7 +216,7 @@ def test_a_decode_worker_missing_the_media_blocks_fetches_the_embeddings(cluster
     msg.request_id = "decode-fallback"
     msg.rope_delta = 10_000  # wrong: used, it would change the tokens
     decode = cluster.lm_addresses[1]
-    before = ec_fetches(kv_loads(cluster)["decode-1"])
+    before = ec_fetches(kv_loads_now(cluster)["decode-1"])
     with grpc.insecure_channel(decode) as channel:
         stub = epd_pb2_grpc.LanguageModelStub(channel)
         tokens = [t for r in stub.Generate(msg, timeout=60) for t in r.token_ids]
@@ -173,8 +225,7 @@ def test_a_decode_worker_missing_the_media_blocks_fetches_the_embeddings(cluster
         [{"role": "user", "content": content}], [ImageItem(image)], max_tokens=6, ignore_eos=True
     )
     assert tokens == want
-    time.sleep(0.5)  # a load poll
-    assert ec_fetches(kv_loads(cluster)["decode-1"]) > before
+    assert ec_fetches(kv_loads_now(cluster)["decode-1"]) > before
 
 
 def test_one_token_requests_stay_on_one_worker(cluster, tiny_ref):
@@ -234,8 +285,7 @@ def test_kill_9_of_a_decode_worker_mid_stream_loses_no_stream(cluster, tiny_ref)
         assert got == exp
     assert cluster.metric("epd_migrations_total") > migrations
     # The survivor pulled blocks from the tier for the migrated streams.
-    time.sleep(0.5)  # a load poll after the streams ended
-    assert kv_loads(cluster, count=2)[f"decode-{survivor}"]["kv_blocks_pulled"] > 0
+    assert kv_loads_now(cluster, count=2)[f"decode-{survivor}"]["kv_blocks_pulled"] > 0
 
 
 def test_a_prefill_worker_dying_before_its_handover_is_retried(cluster, tiny_ref):
@@ -251,7 +301,10 @@ def test_a_prefill_worker_dying_before_its_handover_is_retried(cluster, tiny_ref
 
     thread = threading.Thread(target=call, daemon=True)
     thread.start()
-    time.sleep(0.5)  # the call is in the frozen worker's socket
+    wait_until(
+        lambda: outstanding(cluster, cluster.lm_addresses[0]) > 0,
+        "the proxy to send the call to the frozen prefill worker",
+    )
     cluster.kill("lm-0")
     thread.join(60)
     assert out["tokens"] == expected(tiny_ref, "A frozen prefill", max_tokens=6)
@@ -293,8 +346,7 @@ def test_direct_kv_path(tmp_path, tiny_checkpoint, tiny_ref):
         with redis.Redis.from_url(c.redis.url) as client:
             stored = sum(1 for _ in client.scan_iter("*:kv:*"))
         assert stored < prompt_blocks  # (the decode worker saves the blocks it fills)
-        time.sleep(0.5)
-        loads = wait_roles(c, count=2)
+        loads = polled_loads(c, count=2)
         assert loads[c.lm_addresses[0]]["kv_bytes_sent"] > 0
         # Blocks the decode worker held from an earlier prompt (the chat template's) were
         # received, not loaded.

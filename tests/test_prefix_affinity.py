@@ -22,6 +22,7 @@ from proxy.pd import PDRouter
 from proxy.prepare import ChatMessage, Part, RequestBuilder
 from proxy.workers import Breaker, Worker, WorkerPool
 from tests.cluster_helpers import Cluster, image_bytes
+from tests.helpers import wait_until
 
 BLOCK = 8
 
@@ -201,6 +202,19 @@ def wait_loads(cluster: Cluster, timeout: float = 30) -> None:
         time.sleep(0.1)
 
 
+def both_idle(cluster: Cluster) -> bool:
+    """Whether the proxy sees both LM workers idle: their last polled loads say so and it has
+    no work out at either."""
+    _, state = cluster.http("/dashboard/state")
+    lms = [w for w in state["workers"] if w["role"] == "lm"]
+    return len(lms) == 2 and all(
+        w["load"]
+        and w["queued_tokens"] == 0
+        and w["load"]["running_requests"] == w["load"]["waiting_requests"] == 0
+        for w in lms
+    )
+
+
 def in_flight(cluster: Cluster, text: str, max_tokens: int) -> tuple[threading.Thread, dict]:
     """A long request streaming in a thread; returns once its first token is out."""
     out: dict = {"tokens": []}
@@ -233,7 +247,7 @@ def test_a_shared_prefix_lands_on_the_worker_that_holds_it(cluster, tiny_ref):
     busy, _ = in_flight(cluster, "Something unrelated to the rest", max_tokens=400)
     tokens, _ = cluster.generate(SHARED + "First question?", max_tokens=4)
     busy.join(60)
-    time.sleep(0.5)  # load polls: both workers idle again
+    wait_until(lambda: both_idle(cluster), "load polls that show both LM workers idle again")
     # Both idle, so load alone would pick the first worker again: affinity picks the holder.
     holders = routes(cluster, "holder")
     _, second = cluster.generate(SHARED + "Second question?", max_tokens=4)

@@ -4,6 +4,7 @@ proxy) on the tiny model; expected tokens from the models' reference path."""
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 
@@ -22,7 +23,7 @@ from proto import epd_pb2, epd_pb2_grpc
 from proxy.prepare import mm_hash
 from tests.cluster_helpers import Cluster, http_json, image_bytes
 from tests.encoder_helpers import image_item
-from tests.helpers import RoleProcess
+from tests.helpers import RoleProcess, wait_until
 from tests.model_helpers import make_audio_only, make_video
 
 MAX_TOKENS = 16
@@ -304,7 +305,13 @@ def test_a_full_proxy_sheds_load_and_deadlines_reach_the_lm(cluster, tmp_path):
                     )
                 )
                 first.start()  # takes the only slot and waits there
-                time.sleep(0.5)
+                wait_until(
+                    lambda: (
+                        http_json(http_port, "/dashboard/state")[1]["proxy"]["pending_requests"]
+                        == 1
+                    ),
+                    "the first request to take proxy-b's only slot",
+                )
                 with pytest.raises(grpc.RpcError) as info:
                     list(stub.Generate(epd_pb2.GenerateRequest(text="Me too"), timeout=30))
                 assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -473,16 +480,40 @@ def test_bad_videos_are_invalid_argument_naming_the_problem(cluster):
     assert status == 400 and "no video stream" in body["error"]["message"]
 
 
+# Failed dials after which gRPC's default reconnect backoff (1 s, x1.6 a failure, +-20%) waits
+# 16.8 s (at least 13.4 s) before the next: past the worker's start plus the proxy's 2 s wait
+# for a worker. The proxy's channels (0.1 s to 0.5 s) get there in about 2 s.
+DIALS = 7
+
+
+def count_dials(address: str, dials: int, timeout: float = 60) -> None:
+    """Listen on the dead worker's port and refuse the proxy's channel `dials` times: each
+    connection is accepted and closed at once (a failed connect, as a refused one is)."""
+    host, _, port = address.rpartition(":")
+    with socket.create_server((host, int(port))) as server:  # SO_REUSEADDR: past TIME_WAIT
+        deadline = time.monotonic() + timeout
+        for done in range(dials):
+            server.settimeout(max(deadline - time.monotonic(), 0.01))
+            try:
+                connection, _ = server.accept()
+            except TimeoutError:
+                raise AssertionError(
+                    f"the proxy redialled {address} {done} times in {timeout} s, not {dials}"
+                ) from None
+            connection.close()
+
+
 def test_an_lm_worker_back_after_an_outage_serves_the_first_request(cluster):
-    # Last in the module: it kills the only LM worker for 16 s, long enough that gRPC's default
-    # reconnect backoff (1 s, x1.6 a failure) would leave the proxy blind to it for seconds
-    # after it is back. The client sends as soon as the worker's own health says SERVING.
+    # Last in the module: it kills the only LM worker until the proxy's channel has failed to
+    # redial it DIALS times, enough that gRPC's default reconnect backoff would leave the
+    # proxy blind to it for seconds after it is back. The client sends as soon as the
+    # worker's own health says SERVING.
     cluster.kill("lm-0")
     deadline = time.monotonic() + 10
     while cluster.http("/health")[0] != 503:
         assert time.monotonic() < deadline, "the proxy still sees the killed LM worker"
         time.sleep(0.1)
-    time.sleep(16)
+    count_dials(cluster.lm_address, DIALS)
     cluster.start("lm", "lm-0", cluster.lm_address).wait_status("SERVING", timeout=120)
     tokens, last = cluster.generate("Back up", max_tokens=3)
     assert len(tokens) == 3 and last.usage.completion_tokens == 3

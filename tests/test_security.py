@@ -43,7 +43,7 @@ from proxy.auth import KeyRing, Unauthenticated, read_keys_file
 from proxy.prepare import mm_hash
 from tests.certs import CA
 from tests.cluster_helpers import image_bytes, wait_proxy_sees_workers_serving
-from tests.helpers import RoleProcess, sign
+from tests.helpers import RoleProcess, sign, wait_until
 
 MAX_TOKENS = 8
 KEY_A, KEY_B, KEY_C = "key-tenant-a-0001", "key-tenant-b-0002", "key-from-env-0003"
@@ -433,14 +433,25 @@ def test_abort_only_by_the_key_that_started_it(secure):
     stream = secure.stub.Generate(request, timeout=120, metadata=bearer(KEY_A))
     first = next(stream)  # running
     assert first.token_ids
-    finish: list = []
-    reader = threading.Thread(target=lambda: finish.extend(r.finish_reason for r in stream))
+    finish: list = []  # one per response
+
+    def read() -> None:
+        for response in stream:
+            finish.append(response.finish_reason)
+
+    reader = threading.Thread(target=read)
     reader.start()
     abort = epd_pb2.AbortRequest(request_id="long-running-a")
     assert not secure.stub.Abort(abort, timeout=10, metadata=bearer(KEY_B)).aborted
     assert not secure.stub.Abort(abort, timeout=10, metadata=bearer(KEY_C)).aborted
-    time.sleep(0.3)
-    assert reader.is_alive()  # still generating after the other tenants' attempts
+    # Still generating after the other tenants' attempts: an abort ends the stream within a
+    # step or two, so it goes on to 32 more responses (or ends, and fails below).
+    attempted = len(finish)
+    wait_until(
+        lambda: len(finish) >= attempted + 32 or not reader.is_alive(),
+        "32 more responses after the other tenants' abort attempts",
+    )
+    assert reader.is_alive() and epd_pb2.FINISH_REASON_ABORT not in finish
     assert secure.stub.Abort(abort, timeout=10, metadata=bearer(KEY_A)).aborted
     reader.join(60)
     assert finish[-1] == epd_pb2.FINISH_REASON_ABORT

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -162,10 +164,23 @@ def evs_prompt(tiny_checkpoint):
     return get
 
 
+def video_time_positions(
+    grid_t: int, second_per_grid_t: float, tokens_per_second: float
+) -> list[int]:
+    """Temporal positions of a Qwen2.5-VL video's patches at position 0, from the rule: patch i
+    sits at i * (tokens_per_second * second_per_grid_t), the interval a float32 product and the
+    position truncated toward zero (as transformers' get_rope_index computes it)."""
+    interval = np.float32(tokens_per_second) * np.float32(second_per_grid_t)
+    return (np.arange(grid_t, dtype=np.float32) * interval).astype(np.int64).tolist()
+
+
 @pytest.mark.parametrize("q", [0.5, 0.75])
-def test_evs_grid_and_published_layout(evs_prompt, q):
+def test_evs_grid_and_published_layout(tiny_checkpoint, evs_prompt, q):
     family, _, features, published, processed = evs_prompt(q)
     hidden = family.text.hidden_size
+    # Read from the checkpoint itself, not from the family's parsed config.
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    tokens_per_second = config["vision_config"]["tokens_per_second"]
     for f, p in zip(features, processed, strict=True):
         wide = published[f.mm_hash]
         if f.modality == "image":
@@ -179,9 +194,12 @@ def test_evs_grid_and_published_layout(evs_prompt, q):
         # The first temporal patch whole, then kept tokens in frame-major order.
         assert [k[1:] for k in kept[:per_frame]] == [(h, w) for h in range(gh) for w in range(gw)]
         assert kept == sorted(kept) and len(set(kept)) == len(kept)
-        assert {k[0] for k in kept} <= {
-            int(t * 25 * np.float32(p.grid.second_per_grid_t)) for t in range(gt)
-        } or True
+        assert f.length == max(per_frame, int(gt * per_frame * (1 - q)))
+        times = video_time_positions(gt, p.grid.second_per_grid_t, tokens_per_second)
+        grid = {(t, h, w) for t in times for h in range(gh) for w in range(gw)}
+        assert set(kept) <= grid, (sorted(set(kept) - grid), times)
+        # Past the first temporal patch, every kept token carries a later patch's time.
+        assert {k[0] for k in kept[per_frame:]} <= set(times[1:]), times
         assert int(wide[0, -2:].round()[0]) * 256 + int(wide[0, -1].round()) == gw
 
 
