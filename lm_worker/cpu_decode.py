@@ -12,10 +12,10 @@ other step (prefill, larger batches) runs the torch modules as before.
 
 It serves any model that describes its decoder (`decoder_weights()`, models/layers.py's
 `DecoderWeights`: pre-norm layers with merged q / k / v and gate / up, rotary over up to three
-position axes) and takes the `fused_decode` hook in its forward, in float32 or bfloat16
-(computing in float32 and rounding where torch's bf16 tensors round), and is kept for the
-sequence counts where it is measured faster than the modules at start-up
-(`choose_fused_decode`).
+position axes), in float32 or bfloat16 (computing in float32 and rounding where torch's bf16
+tensors round), and is kept for the sequence counts where it is measured faster than the
+modules at start-up (`choose_fused_decode`). The model runner holds it and calls one entry
+point, `step` (token ids to logits), before the modules.
 """
 
 from __future__ import annotations
@@ -82,10 +82,10 @@ MAX_SEQS = 8  # cpu_decode.c's MAX_SEQS
 
 
 class FusedDecode:
-    """The model's decoder layers and final norm for a decode step of 1 .. `max_seqs` sequences
-    (one new token each), in C. Called as the model's `fused_decode(x, positions,
-    attn_metadata)` with the forward's inputs: the final norm's output [S, hidden], or None for
-    a step it does not take (prefill, more sequences)."""
+    """A decode step of 1 .. `max_seqs` sequences (one new token each) through the model's
+    decoder layers and final norm in C, and (`whole_step`) its embedding and LM head too.
+    `step(ids, positions, attn_metadata)` gives the step's logits, or None for a step it does
+    not take (prefill, more sequences): the runner then runs the modules."""
 
     def __init__(self, model: nn.Module, attention: PagedAttention, max_seqs: int = MAX_SEQS):
         w = _described(model, attention)
@@ -93,6 +93,7 @@ class FusedDecode:
             raise ValueError(f"no fused decode: {w}")
         if not 1 <= max_seqs <= MAX_SEQS:
             raise ValueError(f"max_seqs must be 1 .. {MAX_SEQS}, got {max_seqs}")
+        self.model = model
         self.attention = attention
         self.max_seqs = max_seqs
         lib = c_library()[0]
@@ -143,14 +144,37 @@ class FusedDecode:
         # The pointers above are into these tensors: they live as long as this object.
         self._tensors = [w, cache, self._inv_freq, self._freq_axis]
 
+    def step(
+        self,
+        ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [axes, T] or [T]
+        meta: PagedAttentionMetadata,
+    ) -> torch.Tensor | None:  # [T, vocab]
+        """A decode step's logits: in one C call where the model offers both ends
+        (`whole_step`), else the model's embedding and head around the C layers. None for a
+        step it does not take."""
+        if self.whole_step:
+            return self.logits(ids, positions, meta)
+        if not self._takes(ids.shape[0], meta):
+            return None
+        hidden = self._run_layers(self.model.embed_input_ids(ids), positions, meta)
+        return self.model.compute_logits(hidden)
+
     def __call__(
         self,
         x: torch.Tensor,  # [T, hidden]
         positions: torch.Tensor,  # [axes, T] or [T]
         meta: PagedAttentionMetadata,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | None:  # [T, hidden]
+        """The layers and final norm alone, from the embeddings (None for a step it does not
+        take)."""
         if not self._takes(x.shape[0], meta):
             return None
+        return self._run_layers(x, positions, meta)
+
+    def _run_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata
+    ) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty_like(x)
         threads = torch.get_num_threads()
@@ -163,11 +187,11 @@ class FusedDecode:
         positions: torch.Tensor,  # [axes, T] or [T]
         meta: PagedAttentionMetadata,
     ) -> torch.Tensor | None:
-        """A whole decode step in the one call, token ids to logits ([T, vocab]): the
+        """A whole decode step in the one C call, token ids to logits ([T, vocab]): the
         embedding lookup and the LM head besides the layers, where the model offers both
         (`whole_step`). Each torch call it saves costs tens of microseconds in a decode step,
         which runs with caches the weights' stream has emptied. None for a step it does not
-        take (as the call)."""
+        take, or without both ends."""
         if not self.whole_step or not self._takes(ids.shape[0], meta):
             return None
         assert ids.dtype == torch.int64 and ids.is_contiguous()
@@ -225,7 +249,7 @@ def _described(model: nn.Module, attention: PagedAttention) -> DecoderWeights | 
     if lib is None:
         return why
     describe = getattr(model, "decoder_weights", None)
-    if describe is None or not hasattr(model, "fused_decode"):
+    if describe is None:
         return f"{type(model).__name__} does not describe its decoder (decoder_weights)"
     w = describe()
     if isinstance(w, str):
@@ -254,41 +278,39 @@ def _described(model: nn.Module, attention: PagedAttention) -> DecoderWeights | 
 def choose_fused_decode(
     model: nn.Module,
     attention: PagedAttention,
-    step: Callable[[int], object],
+    step: Callable[[int, FusedDecode | None], object],
     max_seqs: int = MAX_SEQS,
     rounds: int = 3,
     cache_dir: Path | None = None,
-) -> tuple[int, str]:
-    """Time `step(n)` (a decode step of n sequences: the runner's dummy run) with the fused
-    layers and with the modules, alternately, at n = 1, 2, 4, 8 (`max_seqs` in place of those
-    above it), and keep the fused layers for the sequence counts up to the largest n where they
-    win at every measured count up to it (0: nowhere). Returns that count, and what was
-    measured. The caller has checked that it can run (`why_not_fused`: the loader logs why
-    not). The choice is cached in `cache_dir` under the linear kernels' key (CPU, torch,
-    threads, model shape, kernel source): a large model's steps take long to time."""
+) -> tuple[FusedDecode | None, str]:
+    """Time `step(n, fused)` (a decode step of n sequences through `fused`, or the modules
+    with None: the runner's `dummy_decode`) both ways, alternately, at n = 1, 2, 4, 8
+    (`max_seqs` in place of those above it), and keep the fused decode for the sequence counts
+    up to the largest n where it wins at every measured count up to it. Returns it (None:
+    nowhere), and what was measured. The caller has checked that it can run (`why_not_fused`:
+    the loader logs why not). The choice is cached in `cache_dir` under the linear kernels'
+    key (CPU, torch, threads, model shape, kernel source): a large model's steps take long to
+    time."""
     limit = min(max_seqs, MAX_SEQS)
     key = f"fused-{choice_key(linear_layers(model), limit)}"
     known = cached_choice(cache_dir, key)
     if known is not None:
         kept = known["kept"]
-        model.fused_decode = FusedDecode(model, attention, kept) if kept else None
-        return kept, f"cached: {known['ms']}"
+        return (FusedDecode(model, attention, kept) if kept else None), f"cached: {known['ms']}"
     fused = FusedDecode(model, attention)
     kept, measured = 0, []
     for n in sorted({min(n, limit) for n in (1, 2, 4, 8)}):
         best = {True: float("inf"), False: float("inf")}
         for _ in range(rounds):
             for on in (True, False):
-                model.fused_decode = fused if on else None
                 started = time.perf_counter()
-                step(n)
+                step(n, fused if on else None)
                 best[on] = min(best[on], time.perf_counter() - started)
         measured.append(f"{n}: fused {best[True] * 1e3:.2f} / modules {best[False] * 1e3:.2f} ms")
         if best[True] >= best[False]:
             break
         kept = n
     fused.max_seqs = kept
-    model.fused_decode = fused if kept else None
     timings = "; ".join(measured)
     remember_choice(cache_dir, key, {"kept": kept, "ms": timings})
-    return kept, timings
+    return (fused if kept else None), timings

@@ -1,13 +1,14 @@
-"""The LM engine: one thread running the step loop over a continuous batch.
+"""The LM engine: one thread running the step loop over a continuous batch (`step`).
 
-    schedule -> prepare inputs -> gather multimodal embeddings -> forward -> sample
-             -> postprocess -> stream out
+    schedule -> prepare inputs -> load remote KV -> gather multimodal embeddings -> forward
+             (saving KV as it goes) -> sample -> postprocess -> stream out
 
-Requests arrive from the gRPC servicer (another thread, asyncio), checked once by `validate`,
-with their embeddings fetched so far (`load_embedding`; the rest follow through
-`add_embeddings`, and the scheduler prefills up to the first item still lacking); everything
-that touches engine state runs on the engine thread, fed through an inbox. Outputs go back
-through the `emit` callback, once per step.
+Requests arrive from the servicer's thread (asyncio), checked once by `validate`. Each gets its
+`RequestInputs` (lm_worker/inputs.py) on arrival, holding its embeddings fetched so far; the
+rest follow through `add_embeddings` (media) and `append_realtime` (a realtime session's rows),
+and the scheduler computes each request only as far as its inputs are in. Everything that
+touches engine state runs on the engine thread, fed through an inbox; outputs go back through
+the `emit` callback, once per step.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from lm_worker.kv_connector import KVConnector
 from lm_worker.metrics import EngineMetrics
 from lm_worker.model_runner import InputBatch, ModelRunner
-from lm_worker.request import Request, Status
+from lm_worker.request import Request
 from lm_worker.sampler import SampledToken, Sampler
 from lm_worker.scheduler import ScheduledBatch, Scheduler
 from models import EmbeddingMismatch, IncrementalDetokenizer, LoadedEmbedding, Tokenizer
@@ -51,6 +53,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    rope_delta: int | None = None  # a handover's: the decode stage positions with it
 
 
 Sink = Callable[[RequestOutput], None]
@@ -78,7 +81,7 @@ class LMEngine:
     def __init__(
         self,
         runner: ModelRunner,
-        scheduler: Scheduler,
+        scheduler: Scheduler,  # built with `ready_tokens` and the KV connector
         tokenizer: Tokenizer | None,
         eos_token_ids: tuple[int, ...],
         vocab_size: int,
@@ -86,12 +89,10 @@ class LMEngine:
         emit: Emit | None = None,
         registry: CollectorRegistry | None = REGISTRY,
         linear_kernel: str = "",
-        kv_connector=None,  # lm_worker.kv_connector.KVConnector
     ):
         self.runner = runner
         self.scheduler = scheduler
-        self.scheduler.ready_tokens = self._ready_tokens
-        self.kv = self.scheduler.kv = kv_connector
+        self.kv: KVConnector = scheduler.kv  # one connector: the scheduler asks, the step moves
         self.sampler = Sampler()
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -101,9 +102,7 @@ class LMEngine:
         self.emit = emit or deliver
         self.metrics = EngineMetrics(registry)
         self.live: dict[str, _Live] = {}
-        # Realtime requests whose prompt positions' embeddings are not all in yet, by session:
-        # they enter the scheduler once they are (a prefill never runs short of its rows).
-        self.parked: dict[str, Request] = {}
+        self.sessions: dict[str, Request] = {}  # realtime session id -> its request
         self.tokens_generated = 0
         self.realtime_waiting_steps = 0  # steps realtime requests sat out for their audio
         self._inbox: list[Callable[[], None]] = []
@@ -151,6 +150,11 @@ class LMEngine:
             )
 
     @property
+    def is_realtime(self) -> bool:
+        """Decode steps take per-position embeddings (a realtime session's rows)."""
+        return self.runner.is_realtime
+
+    @property
     def realtime_capacity(self) -> int:
         """The most positions a realtime session can run to here (context and KV cache): a
         session's audio past it ends its request with "length"."""
@@ -174,7 +178,8 @@ class LMEngine:
         """Queue a request with its embeddings (by mm_hash) fetched so far. Without
         `more_to_come` they must be all of them (the request fails otherwise); with it, the
         rest come through `add_embeddings` and the request is prefilled up to its first item
-        still lacking meanwhile (until it comes, or `fail`)."""
+        still lacking meanwhile (until it comes, or `fail`). A realtime request's rows come
+        through `append_realtime`."""
         self._submit(lambda: self._add(request, sink, embeddings or {}, more_to_come))
 
     def add_embeddings(
@@ -183,21 +188,18 @@ class LMEngine:
         """More embeddings of a request added with `more_to_come` (ignored once it ended)."""
         self._submit(lambda: self._add_embeddings(request_id, embeddings))
 
+    def append_realtime(self, session_id: str, rows: torch.Tensor, closed: bool = False) -> None:
+        """More per-position embeddings of a realtime session (ignored once its request
+        ended); `closed`: the audio ended."""
+        self._submit(lambda: self._append_realtime(session_id, rows, closed))
+
     def fail(self, request_id: str, error: str) -> None:
         """End a request with its own error (its embeddings did not come, say): its blocks
         are freed and its sink gets the error."""
-        self._submit(lambda: self._fail(request_id, error))
+        self._submit(lambda: self._end(request_id, "error", error))
 
     def abort(self, request_id: str) -> None:
-        self._submit(lambda: self._abort(request_id))
-
-    def append_realtime(self, session_id: str, rows: torch.Tensor, closed: bool = False) -> None:
-        """More per-position embeddings of a realtime session (wakes requests waiting on it)."""
-        self._submit(lambda: self._append_realtime(session_id, rows, closed))
-
-    def end_realtime(self, session_id: str) -> None:
-        """Drop a realtime session's rows (its request is gone, or never came)."""
-        self._submit(lambda: self.runner.realtime.pop(session_id, None))
+        self._submit(lambda: self._end(request_id, "abort"))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="lm-engine", daemon=True)
@@ -225,19 +227,20 @@ class LMEngine:
             "max_model_len": self.max_model_len,
         }
 
+    def realtime_rows(self) -> int:
+        """Rows held for the realtime sessions running here (GetLoad; read without locks)."""
+        return sum(r.inputs.rows.count for r in list(self.sessions.values()))
+
     def run_to_completion(self, between_steps: Callable[[], None] | None = None) -> None:
         """Run steps in the calling thread until no request is left that can make progress
         (offline use: benchmarks, tests), calling `between_steps` before each. Not while the
         engine thread runs."""
         assert self._thread is None, "the engine thread is running"
         while True:
-            with self._cv:
-                ops, self._inbox = self._inbox, []
-            for op in ops:
-                op()
+            self._run_inbox()
             if between_steps is not None:
                 between_steps()
-            if not self.run_step() and not self._inbox:
+            if not self.step() and not self._inbox:
                 return
 
     def _submit(self, op: Callable[[], None]) -> None:
@@ -245,9 +248,14 @@ class LMEngine:
             self._inbox.append(op)
             self._cv.notify()
 
-    # -- the loop -----------------------------------------------------------------------------
+    def _run_inbox(self) -> None:
+        with self._cv:
+            ops, self._inbox = self._inbox, []
+        for op in ops:
+            op()
 
     def _run(self) -> None:
+        """The engine thread: the inbox's operations, then a step, while there is work."""
         idle = True
         while True:
             with self._cv:
@@ -259,114 +267,97 @@ class LMEngine:
                     self._cv.wait()
                 if self._stopping:
                     return
-                ops, self._inbox = self._inbox, []
             self.busy_since = time.monotonic()
             try:
-                for op in ops:
-                    op()
-                idle = not self.run_step()
+                self._run_inbox()
+                idle = not self.step()
             finally:
                 self.busy_since = None
 
-    def run_step(self) -> bool:
-        """One step, failing its requests (not the engine) if it raises. False: nothing ran.
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One step of the loop. False: nothing ran.
 
         A step that raises is run again in halves, down to single requests, so one request
         that breaks the forward or the sampler (a value that got past `validate`, a bad
         embedding) fails alone and the rest of the batch goes on. A failed step has changed no
         request's progress (that happens in `postprocess`), so re-running it is safe."""
-        try:
-            batch = self.scheduler.schedule()
-        except Exception as e:  # a scheduler bug: nothing can be trusted about the batch
-            logger.exception("engine schedule failed")
-            for request in list(self.scheduler.running) + list(self.scheduler.waiting):
-                self._finish(request, "error", error=f"LM worker scheduling failed: {e}")
-            return False
-        self._preempted_without_media(batch)
+        batch = self.schedule()
         if not batch.requests:
             return False
-        self.metrics.preemptions.inc(len(batch.preempted))
         failed: list[tuple[Request, Exception]] = []
-        if self._run_isolating(batch, failed) and failed:
-            self.metrics.isolated_failures.inc(len(failed))
+        self.execute_isolating(batch, failed)
         # Some of the batch ran: the failures are the requests' own. None did: the worker's.
         kind = "request" if len(failed) < len(batch) else "worker"
         for request, e in failed:
             self._finish(request, "error", error=f"LM worker step failed: {e}", error_kind=kind)
         return True
 
-    def _run_isolating(
+    def schedule(self) -> ScheduledBatch:
+        """The scheduler's batch, with what it did besides counted; a scheduler that raises
+        fails every request it holds (nothing can be trusted about the batch)."""
+        try:
+            batch = self.scheduler.schedule()
+        except Exception as e:
+            logger.exception("engine schedule failed")
+            for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self._finish(request, "error", error=f"LM worker scheduling failed: {e}")
+            return ScheduledBatch()
+        waits = sum(1 for r in batch.stalled if r.realtime_session is not None)
+        if waits:  # their next step waits for the audio (a preempted one's, for its rows)
+            self.realtime_waiting_steps += waits
+            self.metrics.realtime_waits.inc(waits)
+        self.metrics.preemptions.inc(len(batch.preempted))
+        for request in batch.preempted:
+            # Media KV from the tier has no embeddings here to compute it again: the request
+            # ends, to continue on another worker (never on wrong positions).
+            if request.media_in_kv:
+                error = "preempted, and its media embeddings were never fetched (KV from the tier)"
+                self._finish(request, "error", error=error, error_kind="moved")
+        return batch
+
+    def execute_isolating(
         self, batch: ScheduledBatch, failed: list[tuple[Request, Exception]]
-    ) -> bool:
+    ) -> None:
         """Run the batch, in halves if it raises, down to single requests (collected in
-        `failed`). True when any part of it had to be isolated."""
+        `failed`)."""
         try:
             self.execute(batch)
-            return False
+            return
         except Exception as e:
             if len(batch) == 1:
                 request = batch.requests[0]
                 logger.exception("engine step failed for request %s", request.request_id)
                 failed.append((request, e))
-                return True
+                self.metrics.isolated_failures.inc()
+                return
             logger.warning("engine step of %d requests failed (%s): isolating", len(batch), e)
-        half = len(batch) // 2
-        pairs = list(zip(batch.requests, batch.num_scheduled_tokens, strict=True))
-        for part in (pairs[:half], pairs[half:]):
+        for part in batch.halves():
             # Requests finished meanwhile (by the other half's outputs) are left out.
-            part = [(r, n) for r, n in part if r.status is Status.RUNNING]
-            if part:
-                sub = ScheduledBatch(
-                    requests=[r for r, _ in part],
-                    num_scheduled_tokens=[n for _, n in part],
-                    num_decodes=sum(1 for _, n in part if n == 1),
-                )
-                self._run_isolating(sub, failed)
-        return True
-
-    def _preempted_without_media(self, batch: ScheduledBatch) -> None:
-        """A preempted request whose media KV came from the tier has no embeddings to compute
-        it again: it ends here, to continue on another worker (never on wrong positions)."""
-        for request in batch.preempted:
-            if request.media_in_kv:
-                error = "preempted, and its media embeddings were never fetched (KV from the tier)"
-                self._finish(request, "error", error=error, error_kind="moved")
-
-    def step(self) -> bool:
-        batch = self.scheduler.schedule()
-        self._preempted_without_media(batch)
-        if not batch.requests:
-            return False
-        self.metrics.preemptions.inc(len(batch.preempted))
-        self.execute(batch)
-        return True
+            part = part.running()
+            if part.requests:
+                self.execute_isolating(part, failed)
 
     def execute(self, batch: ScheduledBatch) -> None:
-        """Run one scheduled batch: inputs, embeddings, forward, sample, outputs."""
+        """Run one scheduled batch: inputs, remote KV in, embeddings, forward (KV out as each
+        layer is written), sample, outputs."""
         inputs = self.runner.prepare_inputs(batch)
         cache = self.runner.attention.kv_cache
-        if self.kv is not None:  # blocks a remote holds, into the cache before they are read
-            self.kv.load_kv(cache)
+        self.kv.load_kv(cache)  # blocks a remote holds, into the cache before they are read
         mm_embeds, is_mm_embed = self.runner.gather_mm_embeddings(inputs)
-        save_layer = None
         # Blocks this step completes that go out layer by layer, as the forward writes them.
-        if self.kv is not None and self.kv.start_save(
-            batch.requests, batch.num_scheduled_tokens, cache
-        ):
-            save_layer = self.kv.save_kv_layer
+        layerwise = self.kv.start_save(batch.requests, batch.num_scheduled_tokens, cache)
+        save_layer = self.kv.save_kv_layer if layerwise else None
         try:
             logits = self.runner.forward(inputs, mm_embeds, is_mm_embed, save_layer)
         except BaseException:
-            if save_layer is not None:
-                self.kv.abort_save()
+            self.kv.abort_save()
             raise
-        if save_layer is not None:
-            self.kv.wait_for_save()
+        self.kv.wait_for_save()
         sampled = self.sampler(logits, inputs.sampling_requests)
         outputs = self.postprocess(batch, inputs, sampled)
         self.stream_out(outputs)
-
-    # -- postprocess --------------------------------------------------------------------------
 
     def postprocess(
         self, batch: ScheduledBatch, inputs: InputBatch, sampled: list[SampledToken]
@@ -380,8 +371,8 @@ class LMEngine:
             if request.first_scheduled is None:
                 request.first_scheduled = now
             self.scheduler.blocks.commit_full_blocks(request)
-        if self.kv is not None:  # the step's new blocks out, before a finish frees them
-            self.kv.save_kv(batch.requests, self.runner.attention.kv_cache)
+        # The step's new blocks out, before a finish frees them.
+        self.kv.save_kv(batch.requests, self.runner.attention.kv_cache)
 
         outputs = []
         for request, token in zip(inputs.sampling_requests, sampled, strict=True):
@@ -432,28 +423,9 @@ class LMEngine:
         if request.realtime_session is not None:
             if request.num_tokens >= end:
                 return "length"  # the session's positions (its longest audio) are used up
-            if self._realtime_ended(request):
+            if request.inputs.ended():
                 return "stop"  # the audio ended and every position of it is consumed
         return None
-
-    def _realtime_ended(self, request: Request) -> bool:
-        """The session's audio has ended and its last position is consumed: the last token
-        sampled sits at the last position (as a whole clip's transcription ends)."""
-        stream = self.runner.realtime.get(request.realtime_session)
-        if stream is None or not stream.closed:
-            return False
-        offset = next(
-            (f.offset for f in request.mm_features if f.mm_hash == request.realtime_session), 0
-        )
-        return request.num_tokens >= offset + stream.count
-
-    def _ready_tokens(self, request: Request) -> int:
-        ready = self.runner.ready_tokens(request)
-        if request.realtime_session is not None and ready <= request.num_computed_tokens:
-            # Its next step waits for the audio (a preempted one's recompute, for its rows).
-            self.realtime_waiting_steps += 1
-            self.metrics.realtime_waits.inc()
-        return ready
 
     def _detokenize(self, live: _Live, token_id: int, final: bool) -> tuple[str, bool]:
         """The text to release now, and whether a stop string ended the request."""
@@ -493,17 +465,17 @@ class LMEngine:
             live.held = done[request.resumed_text_chars :]
         if request.sampling.seed is not None or not request.sampling.greedy:
             request.draws = Draws(request.sampling.seed, start=request.resumed_output_tokens)
+        request.inputs = self.runner.make_inputs(request)
+        if request.realtime_session is not None:
+            self.sessions[request.realtime_session] = request
         try:
-            missing = self.runner.add_request(request, embeddings)
+            missing = request.inputs.put(embeddings)
         except EmbeddingMismatch as e:
             self._finish(request, "error", error=str(e))
             return
         if missing and not more_to_come:
             self.metrics.embedding_misses.inc(len(missing))
             self._finish(request, "error", error=f"embeddings not provided: {missing}")
-            return
-        if request.realtime_session is not None and not self.runner.is_ready(request):
-            self.parked[request.realtime_session] = request
             return
         self.scheduler.add(request)
 
@@ -514,36 +486,23 @@ class LMEngine:
         if live is None:  # ended meanwhile (aborted, failed)
             return
         try:
-            self.runner.add_embeddings(live.request, embeddings)
+            live.request.inputs.put(embeddings)
         except EmbeddingMismatch as e:
             self._finish(live.request, "error", error=str(e), error_kind="request")
 
-    def _fail(self, request_id: str, error: str) -> None:
-        live = self.live.get(request_id)
-        if live is not None:
-            self._finish(live.request, "error", error=error, error_kind="request")
-
-    def _abort(self, request_id: str) -> None:
-        live = self.live.get(request_id)
-        if live is not None:
-            self._finish(live.request, "abort")
-
     def _append_realtime(self, session_id: str, rows: torch.Tensor, closed: bool) -> None:
-        if not any(live.request.realtime_session == session_id for live in self.live.values()):
+        request = self.sessions.get(session_id)
+        if request is None:
             return  # its request has ended (or never came): nothing will read the rows
-        stream = self.runner.realtime_stream(session_id)
-        if rows.numel():
-            stream.append(rows)
-        stream.closed = stream.closed or closed
-        parked = self.parked.get(session_id)
-        if parked is not None and self.runner.is_ready(parked):
-            del self.parked[session_id]
-            self.scheduler.add(parked)
+        request.inputs.append_rows(rows, closed)
         # A request whose audio ended before its next position has nothing more to read.
-        requests = list(self.scheduler.running) + list(self.scheduler.waiting)
-        for request in requests + list(self.parked.values()):
-            if request.realtime_session == session_id and self._realtime_ended(request):
-                self._finish(request, "stop")
+        if request.inputs.ended():
+            self._finish(request, "stop")
+
+    def _end(self, request_id: str, reason: str, error: str | None = None) -> None:
+        live = self.live.get(request_id)
+        if live is not None:
+            self._finish(live.request, reason, error=error, error_kind="request")
 
     def _finish(
         self,
@@ -554,14 +513,13 @@ class LMEngine:
         error: str | None = None,
         error_kind: str = "worker",
     ) -> None:
-        """End a request: free its blocks and embeddings, complete its last output."""
+        """End a request: free its blocks and inputs, complete its last output."""
         self.scheduler.finish(request, reason)
-        self.runner.remove_request(request.request_id)
-        if self.kv is not None:
-            self.kv.request_finished(request.request_id)
+        if request.inputs is not None:
+            request.inputs.release()
+        self.kv.request_finished(request.request_id)
         if request.realtime_session is not None:
-            self.runner.realtime.pop(request.realtime_session, None)
-            self.parked.pop(request.realtime_session, None)
+            self.sessions.pop(request.realtime_session, None)
         live = self.live.pop(request.request_id, None)
         self.metrics.requests.labels(reason).inc()
         if live is None:

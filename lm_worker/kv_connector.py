@@ -71,7 +71,9 @@ logger = logging.getLogger(__name__)
 
 
 class KVConnector:
-    """The interface (and the no-op backend: nothing remote, nothing saved)."""
+    """The interface, each method a no-op by default (see `NoKVConnector`)."""
+
+    metrics: KVMetrics | None = None  # a backend's transfer counters (GetLoad's kv_* fields)
 
     def num_matched_tokens(self, request: Request, num_local_tokens: int) -> int:
         return 0
@@ -110,6 +112,11 @@ class KVConnector:
 
     def close(self) -> None:
         pass
+
+
+class NoKVConnector(KVConnector):
+    """KV transfer off: nothing remote, nothing saved. The engine, the scheduler and the
+    servicer call it as they would a real backend, so none of them tests for a connector."""
 
 
 class KVMetrics:

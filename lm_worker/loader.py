@@ -18,7 +18,8 @@ from lm_worker.block_manager import BlockManager
 from lm_worker.cpu_decode import FusedDecode, choose_fused_decode, why_not_fused
 from lm_worker.cpu_kernels import choose_linear_kernel, linear_layers, use_kernel, why_not
 from lm_worker.engine import Emit, LMEngine
-from lm_worker.kv_connector import SharedKVConnector
+from lm_worker.inputs import ready_tokens
+from lm_worker.kv_connector import KVConnector, NoKVConnector, SharedKVConnector
 from lm_worker.model_runner import ModelRunner
 from lm_worker.scheduler import Scheduler
 from models import ModelFamily
@@ -93,9 +94,7 @@ def build_engine(
     runner.dummy_run(1)  # warm-up: kernels and allocator settle before the first request
     if device.type == "cpu":
         _choose_fused_decode(lm, runner)
-    blocks = BlockManager(num_blocks, lm.block_size, lm.enable_prefix_caching)
-    scheduler = Scheduler(blocks, lm.max_num_seqs, lm.max_num_batched_tokens)
-    kv = None
+    kv: KVConnector = NoKVConnector()
     if kv_store is not None:
         block_shape = (text.num_layers, 2, lm.block_size, text.num_kv_heads, text.head_dim)
         sender, inbox = kv_direct or (None, None)
@@ -109,6 +108,10 @@ def build_engine(
             inbox=inbox,
             layerwise=lm.kv_send_layerwise,
         )
+    blocks = BlockManager(num_blocks, lm.block_size, lm.enable_prefix_caching)
+    scheduler = Scheduler(
+        blocks, lm.max_num_seqs, lm.max_num_batched_tokens, ready_tokens=ready_tokens, kv=kv
+    )
     return LMEngine(
         runner,
         scheduler,
@@ -119,7 +122,6 @@ def build_engine(
         emit=emit,
         registry=registry,
         linear_kernel=kernel,
-        kv_connector=kv,
     )
 
 
@@ -182,9 +184,9 @@ def _choose_cpu_kernel(lm: LMConfig, model: torch.nn.Module) -> str:
 
 
 def _choose_fused_decode(lm: LMConfig, runner: ModelRunner) -> None:
-    """`lm.cpu_fused_decode`: the decoder layers of a decode step of a few sequences in one C
-    call (lm_worker/cpu_decode.py) where it runs (on: up to 8 sequences) or for the sequence
-    counts where it is measured faster (auto)."""
+    """`lm.cpu_fused_decode`: the runner's decode steps of a few sequences in C
+    (lm_worker/cpu_decode.py) where it runs (on: up to 8 sequences) or for the sequence counts
+    where it is measured faster (auto)."""
     model, attention = runner.model, runner.attention
     if lm.cpu_fused_decode == "off":
         return
@@ -192,18 +194,15 @@ def _choose_fused_decode(lm: LMConfig, runner: ModelRunner) -> None:
     if lm.cpu_fused_decode == "on":
         if why:
             raise RuntimeError(f"lm.cpu_fused_decode is on but cannot run here: {why}")
-        model.fused_decode = FusedDecode(model, attention)
+        runner.fused = FusedDecode(model, attention)
         return
     if why:
         logger.info("CPU decode steps run the torch modules (no fused decode: %s)", why)
         return
-
-    def step(num_seqs: int) -> None:
-        runner.dummy_run(num_seqs, full_width=False)
-
-    kept, measured = choose_fused_decode(
-        model, attention, step, lm.max_num_seqs, cache_dir=cache_dir()
+    runner.fused, measured = choose_fused_decode(
+        model, attention, runner.dummy_decode, lm.max_num_seqs, cache_dir=cache_dir()
     )
+    kept = runner.fused.max_seqs if runner.fused is not None else 0
     logger.info(
         "CPU decode steps of %s: fused C layers (a step's time at S sequences: %s)",
         f"1 .. {kept} sequences" if kept else "no sequence count",

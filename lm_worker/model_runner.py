@@ -1,5 +1,6 @@
-"""The model runner: per-request model state, per-step inputs, the multimodal gather, and the
-forward pass (eager, or a CUDA graph for decode batches).
+"""The model runner: per-step inputs, the multimodal gather (over each request's inputs,
+lm_worker/inputs.py), and the forward pass (eager, a CUDA graph for decode batches, or on a
+CPU the fused C decode for decode steps of a few sequences).
 
 This file must only contain code common to every model. What differs between families goes
 through the family's `ModelState` (models/family.py): the position scheme, the check (and, for
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +33,7 @@ from lm_worker.block_manager import NULL_BLOCK
 from lm_worker.buffers import InputBuffers
 from lm_worker.cpu_decode import FusedDecode
 from lm_worker.cuda_graph import CudaGraphRunner, graph_sizes
-from lm_worker.mm import MMEmbeddings, RealtimeStream
+from lm_worker.inputs import EmbeddingCache, RealtimeRows, RequestInputs, gather_mm_embeddings
 from lm_worker.request import Request
 from lm_worker.scheduler import ScheduledBatch
 from models import LoadedEmbedding, ModelState
@@ -104,10 +105,9 @@ class ModelRunner:
             device,
         )
         self.model_state.inputs_embeds = self.buffers.inputs_embeds
-        self.mm = MMEmbeddings(self.is_realtime)
-        self.realtime: dict[str, RealtimeStream] = {}  # session id -> its embeddings so far
-        # Request id -> the offset of its first item whose embedding has not arrived.
-        self.embeds_until: dict[str, int] = {}
+        self.embeddings = EmbeddingCache()  # by mm_hash, for the live requests
+        # The fused CPU decode (lm_worker/cpu_decode.py), where the loader chose it.
+        self.fused: FusedDecode | None = None
         self.graphs: CudaGraphRunner | None = None
         if use_graphs:
             assert device.type == "cuda", "CUDA graphs need a CUDA device"
@@ -116,59 +116,13 @@ class ModelRunner:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def add_request(
-        self, request: Request, embeddings: Mapping[str, LoadedEmbedding | torch.Tensor]
-    ) -> list[str]:
-        """Take a new request and the embeddings it has so far (by mm_hash, already processed
-        by `load_embedding`). Returns the mm_hashes it still lacks (its realtime session's
-        rows excluded: they arrive as the audio does); `add_embeddings` brings them later.
-        Raises EmbeddingMismatch when the embeddings do not fit its prompt (it is then removed
-        again)."""
-        if request.media_in_kv:  # its positions past the media are set; nothing to gather
-            return []
-        self.mm.add_request(request.request_id, request.mm_features)
+    def make_inputs(self, request: Request) -> RequestInputs:
+        """The request's inputs besides its token ids, over this runner's embedding cache (a
+        realtime request's rows on this runner's device)."""
+        rows = None
         if request.realtime_session is not None:
-            self.realtime_stream(request.realtime_session)
-        try:
-            return self.add_embeddings(request, embeddings)
-        except Exception:
-            self.remove_request(request.request_id)
-            raise
-
-    def add_embeddings(
-        self, request: Request, embeddings: Mapping[str, LoadedEmbedding | torch.Tensor]
-    ) -> list[str]:
-        """More of a request's embeddings. Remakes its model state over the prompt up to its
-        first item still lacking (all of it once none lacks: positions may depend on the
-        embeddings, for pruned media) and returns the mm_hashes it still lacks. Until they
-        come, `ready_tokens` stops at that item: the text before it can be prefilled while it
-        is encoded. Raises EmbeddingMismatch when the embeddings do not fit the prompt."""
-        for mm_hash, loaded in embeddings.items():
-            if isinstance(loaded, torch.Tensor):
-                loaded = LoadedEmbedding(loaded)
-            self.mm.put(mm_hash, loaded.embeds, loaded.positions)
-        missing = [h for h in self.mm.missing(request.request_id) if h != request.realtime_session]
-        # A prefix's positions depend on the prefix alone (a causal LM's position schemes do),
-        # so the state made from the prompt before the first lacking item is exact there.
-        end = min(
-            (f.offset for f in request.mm_features if f.mm_hash in missing),
-            default=request.num_prompt_tokens,
-        )
-        if end > 0:
-            request.rope = self.model_state.rope_state(
-                end,
-                [f for f in request.mm_features if f.offset < end],
-                self.mm.positions_of(request.request_id),
-            )
-        if missing:
-            self.embeds_until[request.request_id] = end
-        else:
-            self.embeds_until.pop(request.request_id, None)
-        return missing
-
-    def remove_request(self, request_id: str) -> None:
-        self.mm.remove_request(request_id)
-        self.embeds_until.pop(request_id, None)
+            rows = RealtimeRows(self.model_state.hidden_size, self.dtype, self.device)
+        return RequestInputs(request, self.embeddings, self.model_state, rows)
 
     def load_embedding(
         self, mm_hash: str, tensor: torch.Tensor, num_embeds: int
@@ -177,35 +131,6 @@ class ModelRunner:
         model state (EmbeddingMismatch when it cannot fill its placeholders). Thread-safe."""
         embeds = tensor.to(self.device, self.dtype)
         return self.model_state.process_mm_embeds(mm_hash, embeds, num_embeds)
-
-    def realtime_stream(self, session_id: str) -> RealtimeStream:
-        stream = self.realtime.get(session_id)
-        if stream is None:
-            stream = self.realtime[session_id] = RealtimeStream(
-                self.model_state.hidden_size, self.dtype, self.device
-            )
-        return stream
-
-    def ready_tokens(self, request: Request) -> int:
-        """How many of the request's tokens can be computed now (the scheduler's limit): up
-        to its first item whose embedding has not arrived; for a realtime request, none past
-        those computed until the embedding of its next position is there."""
-        if not self.is_ready(request):
-            return request.num_computed_tokens
-        return self.embeds_until.get(request.request_id, request.num_tokens)
-
-    def is_ready(self, request: Request) -> bool:
-        """Realtime: the embeddings up to the request's next token have arrived."""
-        if request.realtime_session is None:
-            return True
-        stream = self.realtime.get(request.realtime_session)
-        if stream is None:
-            return False
-        for f in request.mm_features:
-            if f.mm_hash == request.realtime_session:
-                needed = min(max(request.num_tokens - f.offset, 0), f.length)
-                return stream.count >= needed
-        return True
 
     # -- per step -----------------------------------------------------------------------------
 
@@ -308,14 +233,15 @@ class ModelRunner:
     def gather_mm_embeddings(
         self, inputs: InputBatch
     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        return self.mm.gather_mm_embeddings(
-            [r.request_id for r in inputs.requests],
+        """The step's embedding rows in token order and is_mm_embed (lm_worker/inputs.py)."""
+        return gather_mm_embeddings(
+            inputs.requests,
             inputs.num_tokens,
             inputs.num_scheduled_tokens,
             inputs.query_start_loc,
             inputs.prefill_lens,
             inputs.num_computed_tokens,
-            realtime=self.realtime,
+            self.is_realtime,
         )
 
     @torch.inference_mode()
@@ -330,10 +256,9 @@ class ModelRunner:
         the cache (the KV connector's per-layer save; a graph replay calls nothing)."""
         b = self.buffers
         T, padded = inputs.num_tokens, inputs.num_tokens_padded
-        fused = getattr(self.model, "fused_decode", None)
-        if isinstance(fused, FusedDecode) and not mm_embeds and save_layer is None:
-            # A CPU decode step of a few sequences: token ids to logits in one C call.
-            logits = fused.logits(
+        if self.fused is not None and not mm_embeds and save_layer is None:
+            # A CPU decode step of a few sequences: token ids to logits in C.
+            logits = self.fused.step(
                 b.input_ids[:padded], b.positions_view(padded), inputs.attn_metadata
             )
             if logits is not None:
@@ -376,6 +301,21 @@ class ModelRunner:
             meta,
             intermediate_tensors=None,
         )
+
+    @torch.inference_mode()
+    def dummy_decode(self, num_seqs: int, fused: FusedDecode | None = None) -> torch.Tensor:
+        """A decode step's logits over `num_seqs` slots of the null block, its block tables one
+        block wide as an eager step of short sequences has them, through `fused` (None: the
+        modules): what the loader times to choose the fused decode."""
+        b = self.buffers
+        ids, positions = b.input_ids[:num_seqs], b.positions_view(num_seqs)
+        meta = b.decode_metadata(num_seqs, 1)
+        if fused is not None:
+            logits = fused.step(ids, positions, meta)
+            if logits is not None:
+                return logits
+        hidden = self.model(None, positions, self.model.embed_input_ids(ids), meta)
+        return self.model.compute_logits(hidden)
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -1,12 +1,12 @@
 """The LM worker's side of realtime sessions: each session's stream of per-position
 embeddings (connector/streams.py), read with blocking XREAD as the encoder publishes it and
-handed to the engine (`append_realtime`), which wakes the session's request when the
-embedding of its next position is in. The request stays resident (its KV blocks held) while
-it waits; other requests keep stepping.
+handed to the engine (`append_realtime`) into the request's inputs (lm_worker/inputs.py),
+whose `ready_tokens` lets the request step once the embedding of its next position is in. The
+request stays resident (its KV blocks held) while it waits; other requests keep stepping.
 
 A session's reader lives as long as its Generate call. When the call ends (the request
-finished, the client cancelled, the proxy went away) the reader stops and the engine drops the
-session's rows; the stream itself is the proxy's to delete.
+finished, the client cancelled, the proxy went away) the reader stops; the session's rows end
+with its request in the engine; the stream itself is the proxy's to delete.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ class TooManySessions(RuntimeError):
     """The worker runs `max_sessions` realtime sessions already (RESOURCE_EXHAUSTED)."""
 
 
+class SessionRunning(ValueError):
+    """The realtime session runs on this worker already (ALREADY_EXISTS)."""
+
+
 class RealtimeFeeder:
     def __init__(self, streams: SessionStreams, engine: LMEngine, max_sessions: int):
         self.streams = streams
@@ -41,9 +45,9 @@ class RealtimeFeeder:
 
     def reserve(self, session_id: str) -> None:
         """Count the session in before its request enters the engine; TooManySessions when
-        the worker is full, ValueError when the session already runs here."""
+        the worker is full, SessionRunning when the session already runs here."""
         if session_id in self.sessions:
-            raise ValueError(f"realtime session {session_id} already runs on this worker")
+            raise SessionRunning(f"realtime session {session_id} already runs on this worker")
         if len(self.sessions) >= self.max_sessions:
             raise TooManySessions(
                 f"this LM worker runs {len(self.sessions)} realtime sessions "
@@ -59,17 +63,15 @@ class RealtimeFeeder:
         )
 
     def stop(self, session_id: str) -> None:
-        """End the session here: its reader and its rows in the engine. The stream's key
-        stays: the proxy owns the session and deletes it at the end (another LM worker may
-        take the session over from it meanwhile); its TTL covers a proxy that died."""
+        """End the session here: its reader (its rows in the engine end with its request).
+        The stream's key stays: the proxy owns the session and deletes it at the end (another
+        LM worker may take the session over from it meanwhile); its TTL covers a proxy that
+        died."""
         self.sessions.discard(session_id)
         self.engine.metrics.realtime_sessions.set(len(self.sessions))
         task = self.readers.pop(session_id, None)
         if task is not None:
-            # Cancelled at its next await: it appends nothing after this (the engine's inbox
-            # runs in order, so the drop below comes after its last rows).
-            task.cancel()
-        self.engine.end_realtime(session_id)
+            task.cancel()  # at its next await: it appends nothing after this
 
     async def _read(self, session_id: str, on_error: Callable[[str], None]) -> None:
         cursor = "0-0"
@@ -89,4 +91,4 @@ class RealtimeFeeder:
             on_error(str(e))
 
 
-__all__ = ["RealtimeFeeder", "TooManySessions"]
+__all__ = ["RealtimeFeeder", "SessionRunning", "TooManySessions"]

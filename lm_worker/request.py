@@ -40,6 +40,9 @@ class Request:
     # Every token that takes a media embedding has its KV from the KV tier (a decode stage):
     # `rope` is the family's state past the media, and no embedding is fetched or gathered.
     media_in_kv: bool = False
+    # Everything the model needs besides token ids (lm_worker/inputs.py's RequestInputs),
+    # made by the engine when the request arrives.
+    inputs: Any = None
     draws: Draws | None = None  # set when the request samples (or has a seed)
     # A resumed request: its last `resumed_output_tokens` prompt tokens are output it gave
     # before (elsewhere), of which the client has received `resumed_text_chars` characters.

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lm_worker.block_manager import BlockManager
+from lm_worker.kv_connector import KVConnector, NoKVConnector
 from lm_worker.request import Request, Status
 
 
@@ -27,6 +28,8 @@ class ScheduledBatch:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     num_decodes: int = 0  # leading requests with exactly one new token
     preempted: list[Request] = field(default_factory=list)
+    # Requests that had nothing ready to compute this step (their inputs are not in yet).
+    stalled: list[Request] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -34,6 +37,25 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    def halves(self) -> tuple[ScheduledBatch, ScheduledBatch]:
+        """The batch split in two (decodes stay first in each), to isolate a failing request."""
+        half = len(self) // 2
+        pairs = list(zip(self.requests, self.num_scheduled_tokens, strict=True))
+        return _batch_of(pairs[:half]), _batch_of(pairs[half:])
+
+    def running(self) -> ScheduledBatch:
+        """The part of the batch whose requests still run (others may have finished since)."""
+        pairs = zip(self.requests, self.num_scheduled_tokens, strict=True)
+        return _batch_of([(r, n) for r, n in pairs if r.status is Status.RUNNING])
+
+
+def _batch_of(pairs: list[tuple[Request, int]]) -> ScheduledBatch:
+    return ScheduledBatch(
+        requests=[r for r, _ in pairs],
+        num_scheduled_tokens=[n for _, n in pairs],
+        num_decodes=sum(1 for _, n in pairs if n == 1),
+    )
 
 
 class Scheduler:
@@ -43,14 +65,16 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         ready_tokens: Callable[[Request], int] = lambda request: request.num_tokens,
+        kv: KVConnector | None = None,  # None: NoKVConnector
     ):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # How many of a request's tokens can be computed now: up to its first item whose
-        # embedding has not arrived (realtime: up to the last position with an embedding).
+        # embedding has not arrived (realtime: up to the last position with an embedding);
+        # the engine's is lm_worker/inputs.py's `ready_tokens`.
         self.ready_tokens = ready_tokens
-        self.kv = None  # the engine's KV connector (lm_worker/kv_connector.py), if any
+        self.kv = kv or NoKVConnector()  # the engine's KV connector: what remotes hold
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -67,6 +91,7 @@ class Scheduler:
         decodes: list[tuple[Request, int]] = []
         prefills: list[tuple[Request, int]] = []
         preempted: list[Request] = []
+        stalled: list[Request] = []
 
         for request in list(self.running):
             if request not in self.running:  # preempted earlier in this loop
@@ -76,6 +101,7 @@ class Scheduler:
             ready = min(request.num_tokens, self.ready_tokens(request))
             remaining = ready - request.num_computed_tokens
             if remaining <= 0:
+                stalled.append(request)
                 continue
             num_new = min(remaining, budget)
             while not self.blocks.can_append(request, num_new):
@@ -108,7 +134,7 @@ class Scheduler:
             cached = self.blocks.cached_prefix(request)
             num_local = len(cached) * self.blocks.block_size
             # Tokens a KV connector holds past the local prefix (loaded before the forward).
-            num_remote = self.kv.num_matched_tokens(request, num_local) if self.kv else 0
+            num_remote = self.kv.num_matched_tokens(request, num_local)
             # Held KV, local or remote, may reach past an item whose embedding is still being
             # fetched (block hashes include the items' hashes: it is that very item's KV). The
             # request then waits for the embedding rather than compute past it, and keeps the
@@ -116,14 +142,14 @@ class Scheduler:
             num_new = min(ready - num_local - num_remote, budget)
             if num_new <= 0:  # nothing to compute yet: it keeps its place
                 blocked.append(self.waiting.popleft())
+                stalled.append(request)
                 continue
             if not self.blocks.can_allocate(request, num_remote + num_new, cached):
                 break
             self.waiting.popleft()
             self.blocks.allocate(request, num_remote + num_new, cached)
-            if self.kv is not None:
-                request.num_computed_tokens += num_remote
-                self.kv.on_allocated(request, num_local, num_remote)
+            request.num_computed_tokens += num_remote
+            self.kv.on_allocated(request, num_local, num_remote)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = Status.RUNNING
@@ -132,7 +158,7 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(blocked))
 
-        batch = ScheduledBatch(preempted=preempted, num_decodes=len(decodes))
+        batch = ScheduledBatch(preempted=preempted, num_decodes=len(decodes), stalled=stalled)
         for request, num_new in decodes + prefills:
             batch.requests.append(request)
             batch.num_scheduled_tokens.append(num_new)

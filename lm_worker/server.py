@@ -1,22 +1,19 @@
-"""The LM worker: the `LanguageModel` gRPC service over the engine (lm_worker/engine.py).
+"""The LM worker's gRPC edge: the `LanguageModel` service over the front end
+(lm_worker/frontend.py), which runs a request's flow around the engine.
 
-Per Generate call: check and convert the request (protobuf stops here) -> hand it to the
-engine at once, which prefills it up to its first item whose embedding is not in yet, while its
-embeddings are fetched from the EC connector as they appear (notified, bounded; misses are
-reported on the stream so the proxy can re-encode) and fed to the engine -> stream its outputs
-back. With `lm.overlap_encode_prefill` off, the request waits for all its embeddings before
-the engine sees it. A client that goes away aborts the request in the engine.
+Per Generate call: convert the request (protobuf stops here) -> `LMFrontend.generate`: admit it,
+attach its inputs' sources, hand it to the engine -> relay its outputs and missing-embedding
+reports back. Every failure maps to a status in one function (`status_of`). A client that goes
+away closes the flow, which aborts the request in the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
-from functools import partial
 
 import grpc
 import numpy as np
@@ -32,10 +29,19 @@ from connector.kv_stream import KVInbox, KVReceiver, KVSender
 from connector.registry import Heartbeat
 from connector.streams import SessionStreams
 from lm_worker.engine import BadRequest, LMEngine, RequestOutput, deliver
+from lm_worker.frontend import (
+    AlreadyRunning,
+    Handover,
+    LMFrontend,
+    Missing,
+    NotRealtime,
+    RequestFailed,
+)
+from lm_worker.kv_connector import KVConnector
 from lm_worker.loader import build_engine
-from lm_worker.realtime import RealtimeFeeder, TooManySessions
+from lm_worker.realtime import SessionRunning, TooManySessions
 from lm_worker.request import Request
-from models import EmbeddingMismatch, LoadedEmbedding, MMFeature, SamplingParams
+from models import EmbeddingMismatch, MMFeature, SamplingParams
 from proto import epd_pb2, epd_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -105,6 +111,7 @@ def to_request(msg: epd_pb2.LMGenerateRequest) -> Request:
         prompt_token_ids=ids,
         sampling=sampling,
         mm_features=features,
+        realtime_session=msg.realtime_session_id or None,
         resumed_output_tokens=msg.resumed_output_tokens,
         resumed_text_chars=msg.resumed_text_chars,
     )
@@ -116,6 +123,8 @@ def to_response(out: RequestOutput) -> epd_pb2.LMGenerateResponse:
         entry = msg.logprobs.add(logprob=t.logprob or 0.0)
         for token_id, logprob in t.top or ():
             entry.top.add(token_id=token_id, logprob=logprob)
+    if out.rope_delta is not None:
+        msg.rope_delta = out.rope_delta
     if out.finish_reason is not None:
         msg.finish_reason = FINISH_REASONS.get(out.finish_reason, epd_pb2.FINISH_REASON_STOP)
         msg.usage.prompt_tokens = out.num_prompt_tokens
@@ -126,90 +135,30 @@ def to_response(out: RequestOutput) -> epd_pb2.LMGenerateResponse:
     return msg
 
 
-class EmbeddingFetcher:
-    """Waits for a request's embeddings in the connector and brings them to the device."""
-
-    def __init__(self, connector: AsyncECConnector, engine: LMEngine, timeout: float):
-        self.connector = connector
-        self.engine = engine
-        self.timeout = timeout
-        self.waiting = 0  # requests waiting for embeddings (GetLoad)
-
-    async def fetch(self, request: Request, report, deliver=None) -> dict[str, LoadedEmbedding]:
-        """{mm_hash: tensor on the engine's device}. `report(hashes)` is awaited with each
-        set of hashes newly found missing; `deliver(found)`, when given, is called with each
-        set as it is fetched. Raises TimeoutError after `timeout` seconds."""
-        # A realtime session's rows come through its stream (lm_worker/realtime.py).
-        needed = {
-            f.mm_hash: f.num_embeds
-            for f in request.mm_features
-            if f.mm_hash != request.realtime_session
-        }
-        found: dict[str, LoadedEmbedding] = {}
-        reported: set[str] = set()
-        deadline = time.monotonic() + self.timeout
-        self.waiting += 1
-        try:
-            while True:
-                pending = [h for h in needed if h not in found]
-                fetched, misses = await self.connector.get_many(pending)
-                loaded = {}
-                for h, tensor in fetched.items():
-                    loaded[h] = await asyncio.to_thread(
-                        self.engine.load_embedding, h, tensor, needed[h]
-                    )
-                found.update(loaded)
-                if deliver is not None and loaded:
-                    deliver(loaded)
-                if not misses:
-                    return found
-                new = [h for h in misses if h not in reported]
-                if new:
-                    self.engine.metrics.embedding_misses.inc(len(new))
-                    reported.update(new)
-                    await report(new)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or await self.connector.wait_for(misses, remaining):
-                    raise TimeoutError(
-                        f"embeddings {sorted(set(misses))} did not arrive within "
-                        f"{self.timeout:.0f}s"
-                    )
-                # Everything arrived: an item missing on the next read was evicted again, a
-                # new miss, reported again (else it would wait out the whole timeout).
-                reported.clear()
-        finally:
-            self.waiting -= 1
-
-
-class _Active:
-    """A Generate call in flight: its output queue, its embedding wait, whether it is aborted
-    and whether the engine has it."""
-
-    def __init__(self):
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.fetch: asyncio.Future | None = None
-        self.aborted = False
-        self.in_engine = False
-        self.embedding_wait: float | None = None  # seconds until every embedding was in
-
-
-@dataclass
-class _FetchFailed:
-    """Put on a request's output queue when its embeddings cannot be had (overlap: the
-    request is already in the engine): the status its stream ends with."""
-
-    code: grpc.StatusCode
-    message: str
-
-
-def _fetch_status(e: BaseException) -> grpc.StatusCode | None:
-    """The status a failed embedding fetch ends its stream with (None: not a fetch error)."""
-    if isinstance(e, TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(e, EmbeddingMismatch):
+def status_of(e: BaseException) -> grpc.StatusCode | None:
+    """The status a Generate call whose flow raised `e` ends with (None: not a failure of the
+    request's, a bug: raised on)."""
+    if isinstance(e, NotRealtime | EmbeddingMismatch):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(e, AlreadyRunning | SessionRunning):
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(e, ValueError):  # BadRequest, an unusable session id
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(e, TooManySessions):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(e, TimeoutError):  # embeddings that did not arrive in time
+        return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(e, ConnectorError):
         return grpc.StatusCode.UNAVAILABLE
+    if isinstance(e, RequestFailed):
+        # A request that failed alone is not retried on another worker, and is not held
+        # against this one (FAILED_PRECONDITION); a stuck step's and a moved request's are
+        # continued elsewhere (UNAVAILABLE).
+        return {
+            "request": grpc.StatusCode.FAILED_PRECONDITION,
+            "stuck": grpc.StatusCode.UNAVAILABLE,
+            "moved": grpc.StatusCode.UNAVAILABLE,
+        }.get(e.kind, grpc.StatusCode.INTERNAL)
     return None
 
 
@@ -219,11 +168,9 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         self.name = name
         self.role: RoleServer | None = None
         self.engine: LMEngine | None = None
-        self.fetcher: EmbeddingFetcher | None = None
+        self.frontend: LMFrontend | None = None
         self.connector: AsyncECConnector | None = None
         self.streams: SessionStreams | None = None
-        self.feeder: RealtimeFeeder | None = None
-        self.active: dict[str, _Active] = {}
         self.kv_receiver: KVReceiver | None = None  # the direct KV path's listener
         self.kv_address = ""
         self.stuck = False
@@ -275,11 +222,17 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         self.connector = AsyncECConnector(
             fingerprint=served.fingerprint, **c.connector.connector_options(local_tier=True)
         )
-        self.fetcher = EmbeddingFetcher(self.connector, self.engine, c.lm.embedding_timeout_seconds)
         options = c.connector.connector_options()
         options.pop("local_tier_bytes")
         self.streams = SessionStreams(**options)
-        self.feeder = RealtimeFeeder(self.streams, self.engine, c.lm.max_realtime_sessions)
+        self.frontend = LMFrontend(
+            self.engine,
+            self.connector,
+            self.streams,
+            embedding_timeout=c.lm.embedding_timeout_seconds,
+            max_realtime_sessions=c.lm.max_realtime_sessions,
+            overlap_encode_prefill=c.lm.overlap_encode_prefill,
+        )
         self._watchdog = asyncio.create_task(self.watch_steps(c.lm.step_timeout_seconds))
 
     async def watch_steps(self, timeout: float, every: float = 1.0) -> None:
@@ -291,21 +244,15 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             since = self.engine.busy_since
             stuck = since is not None and time.monotonic() - since > timeout
             if stuck and not self.stuck:
-                seconds = time.monotonic() - since
-                logger.error(
-                    "engine step stuck for %.0fs: NOT_SERVING, ending %d streams",
-                    seconds,
-                    len(self.active),
-                )
                 self.stuck = True
                 await self.role.set_serving(False)
-                for request_id, live in list(self.active.items()):
-                    error = f"the LM worker's step has been stuck for over {timeout:.0f}s"
-                    live.queue.put_nowait(
-                        RequestOutput(
-                            request_id, finish_reason="error", error=error, error_kind="stuck"
-                        )
-                    )
+                error = f"the LM worker's step has been stuck for over {timeout:.0f}s"
+                ended = self.frontend.fail_all(error, "stuck")
+                logger.error(
+                    "engine step stuck for %.0fs: NOT_SERVING, ended %d streams",
+                    time.monotonic() - since,
+                    ended,
+                )
             elif self.stuck and not stuck and not self.role.draining:
                 logger.info("engine moving again: SERVING")
                 self.stuck = False
@@ -316,8 +263,7 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             self._watchdog.cancel()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
-            if self.engine.kv is not None:
-                await asyncio.to_thread(self.engine.kv.close)
+            await asyncio.to_thread(self.engine.kv.close)
         if self.kv_receiver is not None:
             self.kv_receiver.close()
         if self.connector is not None:
@@ -327,206 +273,45 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
 
     async def Generate(self, request: epd_pb2.LMGenerateRequest, context):
         async with self.role.work(context):
-            engine = self.engine
-            session = request.realtime_session_id or None
-            if session is not None and not engine.runner.is_realtime:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "this model takes no realtime sessions (its decode steps take no audio)",
-                )
             try:
                 req = to_request(request)
-                if session is not None:
-                    self.streams.key(session)  # a usable id
-                    req.realtime_session = session
-                    if session not in req.mm_hashes:
-                        raise BadRequest(
-                            f"realtime session {session}: no mm_feature names it (its "
-                            "positions, from where its audio starts)"
-                        )
-                    req.mm_features = [
-                        dataclasses.replace(f, length=min(f.length, engine.realtime_capacity))
-                        if f.mm_hash == session
-                        else f
-                        for f in req.mm_features
-                    ]
-                engine.validate(req)
-            except (BadRequest, ValueError) as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            if req.request_id in self.active:
-                await context.abort(
-                    grpc.StatusCode.ALREADY_EXISTS, f"request {req.request_id} is already running"
+                handover = Handover(
+                    request.kv_handover,
+                    request.kv_target,
+                    request.rope_delta if request.HasField("rope_delta") else None,
                 )
-            if session is not None:
-                try:
-                    self.feeder.reserve(session)
-                except TooManySessions as e:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-                except ValueError as e:
-                    await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-            started = time.monotonic()
-            live = self.active[req.request_id] = _Active()
-            queue = live.queue
-            finished = False
-            try:
-                embeddings = {}
-
-                async def report(hashes: list[str]) -> None:
-                    await context.write(epd_pb2.LMGenerateResponse(missing_mm_hashes=hashes))
-
-                # Media embeddings come from the connector (a realtime session's rows come
-                # through its stream).
-                media = any(f.mm_hash != session for f in req.mm_features)
-                if engine.kv is not None:  # the blocks the KV tier holds, off the engine
-                    covered = await asyncio.to_thread(
-                        engine.kv.prefetch, req, request.kv_handover, request.kv_target
-                    )
-                    if media and session is None and covered >= req.embeds_end:
-                        media = not self._media_from_kv(req, request)
-                overlap = media and self.config.lm.overlap_encode_prefill
-                if media and not overlap:
-                    live.fetch = asyncio.ensure_future(self.fetcher.fetch(req, report))
-                    try:
-                        embeddings = await live.fetch
-                    except asyncio.CancelledError:
-                        if not live.aborted or asyncio.current_task().cancelling():
-                            raise
-                    except (TimeoutError, EmbeddingMismatch, ConnectorError) as e:
-                        await context.abort(_fetch_status(e), str(e))
-                    live.embedding_wait = time.monotonic() - started
-                if live.aborted:  # aborted before the engine had it: it ends here
-                    finished = True
-                    await context.write(
-                        to_response(
-                            RequestOutput(
-                                req.request_id,
-                                finish_reason="abort",
-                                num_prompt_tokens=req.num_prompt_tokens,
-                            )
-                        )
-                    )
-                    return
-                req.arrival = time.monotonic()
-                admitted = req.arrival - started  # before the engine had it
-                engine.add_request(req, queue.put_nowait, embeddings, more_to_come=overlap)
-                live.in_engine = True
-                if overlap:
-                    # The engine prefills the text before the first item while the rest is
-                    # fetched (and encoded): the fetch feeds it as embeddings arrive.
-                    feed = partial(engine.add_embeddings, req.request_id)
-                    live.fetch = asyncio.ensure_future(self.fetcher.fetch(req, report, feed))
-                    live.fetch.add_done_callback(partial(self._fetched, req.request_id, started))
-                if session is not None:
-
-                    def stream_failed(error: str, request_id: str = req.request_id) -> None:
-                        queue.put_nowait(
-                            RequestOutput(request_id, finish_reason="error", error=error)
-                        )
-
-                    self.feeder.start(session, stream_failed)
-                while True:
-                    out: RequestOutput | _FetchFailed = await queue.get()
-                    if isinstance(out, _FetchFailed):
-                        finished = True
-                        await context.abort(out.code, out.message)
-                    if out.finish_reason == "error":
-                        finished = True
-                        # A request that failed alone is not retried on another worker, and
-                        # is not held against this one (FAILED_PRECONDITION).
-                        code = {
-                            "request": grpc.StatusCode.FAILED_PRECONDITION,
-                            "stuck": grpc.StatusCode.UNAVAILABLE,  # migrated elsewhere
-                            "moved": grpc.StatusCode.UNAVAILABLE,  # continued elsewhere
-                        }.get(out.error_kind, grpc.StatusCode.INTERNAL)
-                        await context.abort(code, out.error or "engine error")
-                    msg = to_response(out)
-                    if out.finish_reason is not None:
-                        finished = True
-                        if engine.kv is not None:  # a handover's blocks are all stored first
-                            await wait_saves(engine.kv, req.request_id)
-                        if request.kv_handover and req.rope is not None:
-                            delta = engine.runner.model_state.rope_delta(req.rope)
-                            if delta is not None:  # the decode stage positions with it
-                                msg.rope_delta = delta
-                        if live.embedding_wait is not None:
-                            msg.timings.embedding_wait_seconds = live.embedding_wait
-                        msg.timings.total_seconds = time.monotonic() - started
-                        if "time_to_first_token_seconds" in out.timings:
-                            msg.timings.time_to_first_token_seconds = (
-                                out.timings["time_to_first_token_seconds"] + admitted
-                            )
-                    await context.write(msg)
-                    if finished:
-                        return
-            finally:
-                self.active.pop(req.request_id, None)
-                if engine.kv is not None:
-                    engine.kv.pending_saves(req.request_id)  # not waited for: dropped
-                    if not live.in_engine:  # what its prefetch kept, the engine never took
-                        engine.kv.request_finished(req.request_id)
-                if live.fetch is not None:
-                    live.fetch.cancel()
-                if not finished and live.in_engine:  # the client went away, or its deadline
-                    engine.abort(req.request_id)
-                if session is not None:
-                    self.feeder.stop(session)
-
-    def _media_from_kv(self, req: Request, msg: epd_pb2.LMGenerateRequest) -> bool:
-        """Every token of the request that takes a media embedding has its KV from the tier:
-        position the rest with the prefill worker's rope delta and fetch no embedding (True).
-        Without a delta the family can use, False: the embeddings are fetched as usual."""
-        delta = msg.rope_delta if msg.HasField("rope_delta") else None
-        try:
-            req.rope = self.engine.runner.model_state.rope_past_media(req.num_prompt_tokens, delta)
-        except ValueError:
-            return False
-        req.media_in_kv = True
-        return True
-
-    def _fetched(self, request_id: str, started: float, fetch: asyncio.Future) -> None:
-        """An overlapped fetch ended: note its wait, or fail the request in the engine (its
-        blocks freed) and end its stream with the fetch's status."""
-        live = self.active.get(request_id)
-        if live is None or fetch.cancelled():
-            return
-        e = fetch.exception()
-        if e is None:
-            live.embedding_wait = time.monotonic() - started
-            return
-        code = _fetch_status(e)
-        if code is None:
-            logger.error("embedding fetch for %s failed", request_id, exc_info=e)
-            code = grpc.StatusCode.INTERNAL
-        self.engine.fail(request_id, str(e))
-        live.queue.put_nowait(_FetchFailed(code, str(e)))
+                async with contextlib.aclosing(self.frontend.generate(req, handover)) as outputs:
+                    async for out in outputs:
+                        if isinstance(out, Missing):
+                            msg = epd_pb2.LMGenerateResponse(missing_mm_hashes=out.mm_hashes)
+                        else:
+                            msg = to_response(out)
+                        await context.write(msg)
+            except Exception as e:
+                code = status_of(e)
+                if code is None:
+                    raise
+                await context.abort(code, str(e))
 
     async def Abort(self, request: epd_pb2.AbortRequest, context) -> epd_pb2.AbortResponse:
         """Abort a request in any state: waiting for its embeddings (the wait is cancelled and
         its stream ends with FINISH_REASON_ABORT) or in the engine."""
-        live = self.active.get(request.request_id)
-        if live is None or live.aborted:
-            return epd_pb2.AbortResponse(aborted=False)
-        live.aborted = True
-        if live.fetch is not None:
-            live.fetch.cancel()
-        if live.in_engine:
-            self.engine.abort(request.request_id)
-        return epd_pb2.AbortResponse(aborted=True)
+        return epd_pb2.AbortResponse(aborted=self.frontend.abort(request.request_id))
 
     async def GetLoad(self, request, context) -> epd_pb2.LMLoad:
-        if self.engine is None:
+        if self.engine is None or self.frontend is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the LM worker is still loading")
         load = self.engine.load()
         blocks = self.engine.scheduler.blocks
         return epd_pb2.LMLoad(
             prefix_block_size=blocks.block_size if blocks.enable_prefix_caching else 0,
             worker_id=self.name,
-            waiting_for_embeddings=self.fetcher.waiting,
+            waiting_for_embeddings=self.frontend.fetcher.waiting,
             role=self.config.lm.role,
             kv_tier=self.config.lm.kv_tier,
             kv_address=self.kv_address,
-            realtime_sessions=self.feeder.open,
-            realtime_rows=sum(s.count for s in list(self.engine.runner.realtime.values())),
+            realtime_sessions=self.frontend.feeder.open,
+            realtime_rows=self.engine.realtime_rows(),
             realtime_waiting_steps=self.engine.realtime_waiting_steps,
             **load,
             **_fetches_by_tier(self.connector),
@@ -534,19 +319,9 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         )
 
 
-async def wait_saves(kv, request_id: str) -> None:
-    """Until the request's KV writes are done. A failed write is logged, not raised: the
-    blocks it held are recomputed by whoever looks for them."""
-    for future in kv.pending_saves(request_id):
-        try:
-            await asyncio.wrap_future(future)
-        except Exception as e:
-            logger.warning("%s: KV save failed (%s): readers recompute", request_id, e)
-
-
-def kv_counters(kv) -> dict[str, float]:
+def kv_counters(kv: KVConnector) -> dict[str, float]:
     """The KV tier's counters as LMLoad's kv_* fields (none without a tier)."""
-    metrics = getattr(kv, "metrics", None)
+    metrics = kv.metrics
     if metrics is None:
         return {}
     counts = {}

@@ -104,9 +104,9 @@ class MediaStream(Protocol):
 
 class LanguageModel(Protocol):
     """What the LM runner calls on a family's language model (an nn.Module). Optional: a
-    `decoder_weights()` describing its decoder (models/layers.py's DecoderWeights) and a
-    `fused_decode` attribute its forward calls first (None: unset; a result of None: the
-    modules run), for the LM worker's fused CPU decode (lm_worker/cpu_decode.py)."""
+    `decoder_weights()` describing its decoder (models/layers.py's DecoderWeights), for the LM
+    worker's fused CPU decode (lm_worker/cpu_decode.py), which the runner calls in place of
+    the forward for the decode steps it takes."""
 
     # Capabilities, read once by the runner.
     requires_raw_input_tokens: bool  # forward needs input_ids even when embeddings are given

@@ -64,8 +64,8 @@ def _decode_inputs(engine, seq_lens: list[int], block_size: int):
 def test_fused_layers_give_the_modules_logits(
     tiny_checkpoint, tmp_path, shape, seq_lens, dtype, vector_bits, whole_step
 ):
-    """The layers from the embeddings to the final norm (the model's hook), or the whole step
-    from the token ids to the logits (`FusedDecode.logits`)."""
+    """The layers from the embeddings to the final norm (`FusedDecode`'s call), or the whole
+    step from the token ids to the logits (`FusedDecode.logits`)."""
     checkpoint = tiny_checkpoint
     if shape == "odd":  # head_dim 18, intermediate 100: the kernels' tails
         checkpoint = make_checkpoint(
@@ -74,20 +74,23 @@ def test_fused_layers_give_the_modules_logits(
         )  # fmt: skip
     lm = LMConfig(kv_cache_bytes=32 << 20, cpu_fused_decode="on", block_size=8)
     engine = build_engine(lm, load_family(checkpoint), dtype, registry=None)
-    model, cache = engine.runner.model, engine.runner.attention.kv_cache
-    assert model.fused_decode is not None
+    model, cache, fused_decode = (
+        engine.runner.model,
+        engine.runner.attention.kv_cache,
+        engine.runner.fused,
+    )
+    assert fused_decode is not None
     ids, positions, meta = _decode_inputs(engine, seq_lens, block_size=8)
     before = cache.clone()
     with torch.inference_mode():
         x = model.embed_input_ids(ids)
         if whole_step:
-            assert model.fused_decode.whole_step
-            fused = model.fused_decode.logits(ids, positions, meta)
+            assert fused_decode.whole_step
+            fused = fused_decode.logits(ids, positions, meta)
         else:
-            fused = model.compute_logits(model(None, positions, x.clone(), meta))
+            fused = model.compute_logits(fused_decode(x.clone(), positions, meta))
         fused_cache = cache.clone()
         cache.copy_(before)
-        model.fused_decode = None
         want = model.compute_logits(model(None, positions, x.clone(), meta))
     # bf16: each value rounded where torch's is, sums in another order (a unit of bf16's last
     # place here and there, carried through the layers).
@@ -107,12 +110,12 @@ def test_the_engine_on_fused_layers_gives_the_reference_tokens(
     """Through the engine, whole steps (token ids to logits in C) or the layers alone."""
     cases = three_cases(tiny_ref)
     engine = make_engine(tiny_checkpoint, cpu_fused_decode="on", block_size=8)
-    fused, taken = engine.runner.model.fused_decode, []
+    fused, taken = engine.runner.fused, []
     assert fused.whole_step
     fused.whole_step = whole_step
     takes, steps_taken = fused._takes, []
 
-    def counted(S, meta):  # both paths ask it; a step not taken may ask twice
+    def counted(S, meta):  # asked once a step, by either path
         took = takes(S, meta)
         taken.append((S, meta.num_decodes, took))
         return took
@@ -149,14 +152,14 @@ def test_the_engine_on_fused_layers_gives_the_reference_tokens(
 @needs_c
 def test_a_whole_step_wants_ids_in_the_vocabulary_and_a_dense_head(tiny_checkpoint):
     engine = make_engine(tiny_checkpoint, cpu_fused_decode="on", block_size=8)
-    model = engine.runner.model
+    model, fused_decode = engine.runner.model, engine.runner.fused
     ids, positions, meta = _decode_inputs(engine, [5, 9], block_size=8)
     ids[1] = model.config.vocab_size
     with pytest.raises(ValueError, match="a token id outside the vocabulary"):
-        model.fused_decode.logits(ids, positions, meta)
+        fused_decode.logits(ids, positions, meta)
     ids[1] = 3
     with torch.inference_mode():
-        assert model.fused_decode.logits(ids, positions, meta).shape == (2, model.config.vocab_size)
+        assert fused_decode.logits(ids, positions, meta).shape == (2, model.config.vocab_size)
         model.lm_head.weight = None  # as a packed kernel's choice leaves it: the layers alone
         fused = FusedDecode(model, engine.runner.attention)
         assert not fused.whole_step and fused.logits(ids, positions, meta) is None
@@ -166,12 +169,12 @@ def test_a_whole_step_wants_ids_in_the_vocabulary_and_a_dense_head(tiny_checkpoi
 
 @needs_c
 def test_fused_decode_off_and_auto(tiny_checkpoint, caplog):
-    assert make_engine(tiny_checkpoint, cpu_fused_decode="off").runner.model.fused_decode is None
+    assert make_engine(tiny_checkpoint, cpu_fused_decode="off").runner.fused is None
     with caplog.at_level("INFO", logger="lm_worker.loader"):
         # auto: timed against the modules at start-up, at 1, 2 and (in place of 4 and 8) 3
         engine = make_engine(tiny_checkpoint, max_num_seqs=3)
     (line,) = [r.getMessage() for r in caplog.records if "CPU decode steps of" in r.message]
-    fused = engine.runner.model.fused_decode
+    fused = engine.runner.fused
     kept = fused.max_seqs if fused is not None else 0
     assert kept in (0, 1, 2, 3)
     assert (f"1 .. {kept} sequences" if kept else "no sequence count") in line
@@ -185,17 +188,16 @@ def test_the_choice_is_cached(tiny_checkpoint, tmp_path):
     model, attention = runner.model, runner.attention
     calls = []
 
-    def step(n: int) -> None:
+    def step(n: int, fused) -> None:
         calls.append(n)
-        runner.dummy_run(n, full_width=False)
+        runner.dummy_decode(n, fused)
 
-    kept, measured = choose_fused_decode(model, attention, step, 4, cache_dir=tmp_path)
+    first, measured = choose_fused_decode(model, attention, step, 4, cache_dir=tmp_path)
+    kept = first.max_seqs if first is not None else 0
     assert calls and "cached" not in measured
     calls.clear()
-    model.fused_decode = None
-    again, cached = choose_fused_decode(model, attention, step, 4, cache_dir=tmp_path)
-    assert calls == [] and again == kept and cached == f"cached: {measured}"
-    fused = model.fused_decode
+    fused, cached = choose_fused_decode(model, attention, step, 4, cache_dir=tmp_path)
+    assert calls == [] and cached == f"cached: {measured}"
     assert (fused.max_seqs if fused is not None else 0) == kept
 
 

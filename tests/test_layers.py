@@ -7,6 +7,9 @@ roles that know no model, and role servers that load no test oracle.
     common (upper half)        models, proto and the lower half
     encoder_worker, lm_worker, proxy    the layers above, never each other or epd
     epd                        the CLI, launcher, client and benchmarks: anything
+
+Within the LM role, server.py is the only gRPC edge, and the step loop (engine.py) never
+reaches back to it.
 """
 
 from __future__ import annotations
@@ -154,3 +157,67 @@ def test_role_servers_load_no_test_oracle():
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+# gRPC and its generated messages: the wire (grpc, grpc_health, grpc_reflection, proto's stubs).
+WIRE = re.compile(r"^(grpc|grpc_\w+)(\.|$)|^proto\.\w+_pb2(_grpc)?$")
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module `path` imports, ours or not, absolute; for `from m import n` both m and
+    m.n (n may be a submodule)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            names.add(base)
+            names |= {f"{base}.{a.name}" for a in node.names}
+    return names
+
+
+def test_only_the_lm_server_speaks_grpc():
+    """lm_worker/server.py converts the wire's messages at the edge; no other module of the
+    LM role imports grpc or a _pb2 module."""
+    server = ROOT / "lm_worker" / "server.py"
+    assert any(WIRE.match(n) for n in imported_names(server)), "the edge moved: update this test"
+    hits = []
+    for path in sorted((ROOT / "lm_worker").rglob("*.py")):
+        if path == server:
+            continue
+        wire = sorted(n for n in imported_names(path) if WIRE.match(n))
+        if wire:
+            hits.append(f"{path.relative_to(ROOT)}: {', '.join(wire)}")
+    assert hits == []
+
+
+def import_chain(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
+    """A shortest chain of imports from `start` to `goal`, or None."""
+    parents: dict[str, str | None] = {start: None}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        if node == goal:
+            chain = [node]
+            while (parent := parents[chain[-1]]) is not None:
+                chain.append(parent)
+            return chain[::-1]
+        for dep in sorted(graph.get(node, ())):
+            if dep not in parents:
+                parents[dep] = node
+                queue.append(dep)
+    return None
+
+
+def test_the_step_loop_does_not_import_the_lm_server(graph):
+    """engine.py (the step loop) does not import lm_worker.server, directly or through other
+    modules: calls go one way, from the gRPC edge into the engine."""
+    assert "lm_worker.engine" in graph and "lm_worker.server" in graph
+    chain = import_chain(graph, "lm_worker.engine", "lm_worker.server")
+    assert chain is None, " -> ".join(chain or [])

@@ -143,7 +143,7 @@ def test_realtime_model_gathers_embeddings_on_decode_steps(tiny_checkpoint, tiny
     expected = reference_greedy(tiny_ref, ids, None, None, steps, audio=audio)
 
     engine = make_engine(tiny_checkpoint, RealtimeTestFamily(tiny_checkpoint))
-    assert engine.runner.mm.is_realtime
+    assert engine.runner.is_realtime
     # The first generated token sits at index len(ids); from there on each step adds a row.
     feature = MMFeature("session-1", len(ids), steps, modality="audio")
     realtime = Request(

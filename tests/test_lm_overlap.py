@@ -111,11 +111,11 @@ def test_an_embedding_that_never_comes_fails_its_request_and_frees_its_blocks(
     assert "did not arrive" in out.error
     assert engine.scheduler.blocks.num_used == 0
     assert not engine.scheduler.has_work() and c.request_id not in engine.live
-    assert engine.runner.embeds_until == {} and engine.runner.mm.outputs == {}
+    assert engine.runner.embeddings.embeds == {} and engine.runner.embeddings.refs == {}
     # Arriving afterwards changes nothing.
     engine.add_embeddings(c.request_id, c.embeddings)
     engine.run_to_completion()
-    assert engine.runner.mm.outputs == {}
+    assert engine.runner.embeddings.embeds == {}
 
 
 def test_a_late_embedding_that_breaks_the_step_fails_its_request(tiny_checkpoint, cases):

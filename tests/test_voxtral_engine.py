@@ -82,7 +82,7 @@ def test_transcriptions_and_text_batch_and_equal_generate(voxtral, pad_decodes):
     zeros = torch.zeros(len(text_ids) + 12, family.text.hidden_size)
     expected_text = reference_transcribe(lm, zeros, text_ids, set())[:12]
     assert sinks["text"].token_ids == expected_text
-    assert not engine.runner.mm.outputs  # embeddings released with their requests
+    assert not engine.runner.embeddings.embeds  # embeddings released with their requests
 
 
 def test_placeholders_past_the_prompt_need_a_realtime_model(tiny_checkpoint, voxtral):

@@ -94,7 +94,7 @@ class Ours:
     @property
     def fused_decode(self) -> bool:
         """Decode steps of a few sequences run every layer in one C call (cpu_decode.py)."""
-        return getattr(self.engine.runner.model, "fused_decode", None) is not None
+        return self.engine.runner.fused is not None
 
 
 class HuggingFace:

@@ -202,7 +202,7 @@ class Aggregated:
                     break
         finally:
             await feeder
-            self.engine.end_realtime(sid)
+            self.engine.abort(sid)  # a no-op once it finished
         result.ended = time.monotonic()
         return result
 

@@ -7,7 +7,6 @@ which owns the KV cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,10 +106,6 @@ class Qwen2LanguageModel(nn.Module):
     requires_raw_input_tokens = False
     supports_realtime = False
     supports_multimodal_pruning = True  # EVS: the model state strips position channels
-    # Every layer and the final norm of a decode step of a few sequences in one call (the LM
-    # worker sets it on a CPU: lm_worker/cpu_decode.py): (x, positions, attn_metadata) -> the
-    # forward's output, or None for a step it does not take.
-    fused_decode: Callable[..., torch.Tensor | None] | None = None
 
     def __init__(self, config: TextConfig, attn_backend: AttentionBackend):
         super().__init__()
@@ -216,10 +211,6 @@ class Qwen2LanguageModel(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         assert intermediate_tensors is None, "pipeline parallelism is not supported"
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        if self.fused_decode is not None:
-            out = self.fused_decode(x, positions, attn_metadata)
-            if out is not None:
-                return out
         cos, sin = rotary_tables(*self.rotary(positions, x.dtype))
         for layer in self.layers:
             x = layer(x, cos, sin, attn_metadata)
