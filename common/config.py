@@ -293,10 +293,12 @@ class ProxyConfig:
     request_timeout_seconds: float = 600.0
     # Realtime audio sessions (Inference.Realtime, GET /v1/realtime): at most this many open
     # at once (more: RESOURCE_EXHAUSTED / an `error` event), each at most this long in audio,
-    # and ended when no audio or commit came for `realtime_idle_timeout_seconds`.
+    # and ended when no audio or commit came for `realtime_idle_timeout_seconds`; one chunk
+    # of audio holds at most `realtime_max_chunk_seconds` (clients send tens of ms).
     realtime_max_sessions: int = 256
     realtime_max_session_seconds: float = 600.0
     realtime_idle_timeout_seconds: float = 30.0
+    realtime_max_chunk_seconds: float = 10.0
     # Attempts per encode or LM call that fails before any output (backoff with jitter).
     retries: int = 3
     # A worker's circuit opens after this many consecutive failures, and lets one request
@@ -345,6 +347,7 @@ class ProxyConfig:
         _check_positive("load_poll_seconds", self.load_poll_seconds)
         _check_positive("realtime_max_session_seconds", self.realtime_max_session_seconds)
         _check_positive("realtime_idle_timeout_seconds", self.realtime_idle_timeout_seconds)
+        _check_positive("realtime_max_chunk_seconds", self.realtime_max_chunk_seconds)
         for key in (
             "max_pending_requests",
             "realtime_max_sessions",

@@ -215,18 +215,26 @@ class RealtimeSession:
                 f"an audio chunk of {len(data)} bytes is not a whole number of "
                 f"{self.dtype.itemsize}-byte samples",
             )
-        samples = np.frombuffer(data, dtype=self.dtype).astype(np.float32)
-        if self.scale != 1.0:
-            samples *= self.scale
-        if not np.all(np.isfinite(samples)):
-            raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, "the audio holds NaN or inf")
-        seconds = samples.shape[0] / self.service.sample_rate
+        # Bounds from the length alone, before any work on the samples.
+        seconds = len(data) // self.dtype.itemsize / self.service.sample_rate
         if self.audio_seconds + seconds > self.max_seconds + 1e-9:
             raise SessionError(
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"the session's audio would run past {self.max_seconds:.1f} s "
                 "(proxy.realtime_max_session_seconds, or the context)",
             )
+        max_chunk = self.service.config.proxy.realtime_max_chunk_seconds
+        if seconds > max_chunk:
+            raise SessionError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"an audio chunk of {seconds:.1f} s; at most {max_chunk:g} s a chunk "
+                "(proxy.realtime_max_chunk_seconds): send the audio as it is captured",
+            )
+        samples = np.frombuffer(data, dtype=self.dtype).astype(np.float32)
+        if self.scale != 1.0:
+            samples *= self.scale
+        if not np.all(np.isfinite(samples)):
+            raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, "the audio holds NaN or inf")
         if not samples.size:
             return
         self.start()
@@ -271,11 +279,20 @@ class RealtimeSession:
 
     async def close(self, end: str) -> None:
         """End the session (`end`: commit, cancel, idle, disconnect, error): its calls ended,
-        its stream deleted. Idempotent."""
+        its stream deleted. Idempotent. The session's slot is freed even when the caller is
+        cancelled meanwhile (a client gone mid-close: the web server cancels its handler);
+        the ending itself goes on."""
         if self.closed:
             return
         self.closed = True
         self.end = end
+        try:
+            await asyncio.shield(self._end_calls())
+        finally:
+            self.service.metrics.realtime_sessions_total.labels(end).inc()
+            self.service._closed(self)
+
+    async def _end_calls(self) -> None:
         encode = self.tasks[0] if self.tasks else None
         for task in self.tasks[1:]:
             task.cancel()
@@ -296,8 +313,6 @@ class RealtimeSession:
             await self.service.streams.delete(self.id)
         except StreamError as e:
             logger.warning("session %s: its stream stays until its TTL: %s", self.id, e)
-        self.service.metrics.realtime_sessions_total.labels(end).inc()
-        self.service._closed(self)
 
     # -- the encoder side ---------------------------------------------------------------------
 

@@ -28,17 +28,29 @@ import grpc
 from aiohttp import WSMsgType, web
 
 from proto import epd_pb2
+from proxy.prepare import BadInput
 from proxy.realtime import RealtimeService, RealtimeSession, SessionError, Settings, idle_error
+from proxy.validate import check_json_shape
+
+MAX_EVENT_DEPTH = 8  # the protocol's events nest 2 deep
 
 
 async def realtime_websocket(request: web.Request, service: RealtimeService) -> web.StreamResponse:
     # `realtime` is selected when offered: a browser that offered subprotocols (its API key
     # rides on one, proxy/auth.py) fails a handshake that selects none.
-    ws = web.WebSocketResponse(max_msg_size=16 * 1024 * 1024, protocols=("realtime",))
-    await ws.prepare(request)
+    # A frame holds at most one chunk's audio (base64 of float32 samples, the widest format)
+    # and the event around it: larger frames are refused before they are read whole.
+    rate = service.sample_rate or 16000
+    chunk_bytes = 4 * rate * service.config.proxy.realtime_max_chunk_seconds
+    ws = web.WebSocketResponse(
+        max_msg_size=int(chunk_bytes * 4 / 3) + 64 * 1024, protocols=("realtime",)
+    )
+    try:
+        await ws.prepare(request)
+    except ConnectionResetError:  # gone before the handshake's answer: nothing was opened
+        return ws
     session_id = f"sess-{uuid.uuid4().hex}"
     try:
-        rate = service.sample_rate or 16000
         pcm16 = epd_pb2.AUDIO_FORMAT_PCM_S16LE
         # Greedy unless session.update says otherwise (as vLLM's realtime endpoint).
         sampling = epd_pb2.SamplingParams(temperature=0.0)
@@ -47,11 +59,14 @@ async def realtime_websocket(request: web.Request, service: RealtimeService) -> 
         await _send_error(ws, e)
         await ws.close()
         return ws
-    await ws.send_json({"type": "session.created", "id": session_id, "created": int(time.time())})
     writer: asyncio.Task | None = None
     end = "disconnect"
     idle = service.config.proxy.realtime_idle_timeout_seconds
+    # NOTE: from here on every way out closes the session (a client gone before this send
+    # used to leak it: its slot counted against proxy.realtime_max_sessions for good).
     try:
+        created = {"type": "session.created", "id": session_id, "created": int(time.time())}
+        await ws.send_json(created)
         while True:
             try:
                 msg = await ws.receive(timeout=idle)
@@ -65,8 +80,9 @@ async def realtime_websocket(request: web.Request, service: RealtimeService) -> 
                 await _send_error(ws, _bad("events are JSON text messages"))
                 continue
             try:
-                started = _handle(session, service, json.loads(msg.data))
-            except (json.JSONDecodeError, AttributeError, TypeError):
+                started = _handle(session, service, _parse_event(msg.data))
+            except (BadInput, ValueError, RecursionError, AttributeError, TypeError):
+                # Not JSON, too deep, a number past Python's digit limit, not an object.
                 await _send_error(ws, _bad("an event must be a JSON object with a `type`"))
                 continue
             except SessionError as e:
@@ -92,8 +108,17 @@ async def realtime_websocket(request: web.Request, service: RealtimeService) -> 
                 await writer
         await session.close(end)
         if not ws.closed:
-            await ws.close()
+            with contextlib.suppress(ConnectionResetError):
+                await ws.close()
     return ws
+
+
+def _parse_event(data: str) -> dict:
+    """A client event, refused (BadInput) before parsing when nested deeper than any event
+    is, so a hostile nesting costs no recursion."""
+    raw = data.encode()
+    check_json_shape(raw, MAX_EVENT_DEPTH)
+    return json.loads(raw)
 
 
 def _handle(session: RealtimeSession, service: RealtimeService, event: dict) -> bool:

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 import queue
 import threading
 import time
@@ -20,6 +21,7 @@ import pytest
 import redis
 import soundfile
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from models.registry import load_family
 from models.testing import make_checkpoint
@@ -33,6 +35,7 @@ RATE = 16000
 CHUNK = 1280  # 80 ms
 IDLE = 2.0
 MAX_SESSIONS = 4
+MAX_CHUNK_SECONDS = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,7 @@ def cluster(tmp_path_factory, checkpoint):
             "realtime_max_sessions": MAX_SESSIONS,
             "realtime_idle_timeout_seconds": IDLE,
             "realtime_max_session_seconds": 6.0,
+            "realtime_max_chunk_seconds": MAX_CHUNK_SECONDS,
         },
     )
     yield c
@@ -252,6 +256,15 @@ def test_grpc_session_errors(cluster, clips):
             grpc.StatusCode.OUT_OF_RANGE,
             "realtime_max_session_seconds",
         ),
+        (
+            # Within the session's length, but more than one chunk may hold.
+            [
+                epd_pb2.RealtimeRequest(config=config),
+                epd_pb2.RealtimeRequest(audio=b"\0\0" * (2 * RATE)),
+            ],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "realtime_max_chunk_seconds",
+        ),
     ]
     for messages, code, words in cases:
         with pytest.raises(grpc.RpcError) as e:
@@ -372,6 +385,80 @@ async def test_websocket_disconnect_and_errors(cluster, clips):
         await ws.send(json.dumps({"type": "session.update", "model": "other"}))
         error = json.loads(await ws.recv())
         assert error["type"] == "error" and error["code"] == "not_found"
+    await asyncio.to_thread(assert_nothing_left, cluster)
+
+
+async def _handshake_then_leave(port: int) -> None:
+    """A WebSocket upgrade request, and the connection dropped before any answer is read: a
+    page closed before it could speak."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write(
+        (
+            f"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+            "Sec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+    )
+    await writer.drain()
+    writer.transport.abort()  # RST: gone, no close frame
+
+
+async def test_websocket_clients_that_leave_before_the_audio_leak_no_session(cluster):
+    """Clients that leave before sending audio, in every way a page can, end their sessions:
+    three times proxy.realtime_max_sessions of them, and sessions still open afterwards."""
+    url = f"ws://127.0.0.1:{cluster.proxy_http}/v1/realtime"
+    for i in range(3 * MAX_SESSIONS):
+        how = i % 4
+        if how == 0:
+            await _handshake_then_leave(cluster.proxy_http)
+        elif how == 1:  # session.created read, then the socket closed cleanly
+            async with connect(url) as ws:
+                assert json.loads(await ws.recv())["type"] == "session.created"
+        elif how == 2:  # the settings sent, then closed
+            async with connect(url) as ws:
+                await ws.recv()
+                await ws.send(json.dumps({"type": "session.update", "model": "tiny"}))
+        else:  # the TCP connection dropped under an open session
+            ws = await connect(url)
+            await ws.recv()
+            ws.transport.abort()
+    await asyncio.to_thread(assert_nothing_left, cluster)
+    for _ in range(MAX_SESSIONS):  # every slot is free again
+        async with connect(url) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+    await asyncio.to_thread(assert_nothing_left, cluster)
+
+
+async def test_websocket_hostile_events_get_an_error_event_and_the_session_goes_on(cluster):
+    """An event nested 50,000 deep, a number of 100,000 digits and a chunk over
+    proxy.realtime_max_chunk_seconds each get an `error` event, and the session stays usable;
+    a frame larger than any chunk's event (a million digits, megabytes of audio) is refused
+    before it is read whole (close code 1009)."""
+    url = f"ws://127.0.0.1:{cluster.proxy_http}/v1/realtime"
+    too_long = base64.b64encode(b"\0\0" * int(1.5 * RATE * MAX_CHUNK_SECONDS)).decode()
+    async with connect(url) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        for event, words in (
+            ("[" * 50_000 + "]" * 50_000, "JSON object"),
+            ('{"type": "session.update", "temperature": ' + "9" * 100_000 + "}", "JSON object"),
+            (
+                json.dumps({"type": "input_audio_buffer.append", "audio": too_long}),
+                "realtime_max_chunk_seconds",
+            ),
+        ):
+            await ws.send(event)
+            error = json.loads(await ws.recv())
+            assert error["type"] == "error" and words in error["error"], error
+        await ws.send(json.dumps({"type": "session.update", "model": "tiny"}))
+        await ws.send(json.dumps({"type": "nonsense"}))  # still answered: the session lives
+        assert "unknown event type" in json.loads(await ws.recv())["error"]
+    async with connect(url, max_size=None) as ws:
+        await ws.recv()
+        await ws.send("x" * (8 << 20))
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
     await asyncio.to_thread(assert_nothing_left, cluster)
 
 
