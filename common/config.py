@@ -285,10 +285,14 @@ class ProxyConfig:
     # rather than queued without bound.
     max_pending_requests: int = 1024
     # Limits checked at the edge, before any work: an HTTP body's bytes (checked before it is
-    # read), media items per request, placeholder (embedding) tokens per item.
+    # read), media items per request, placeholder (embedding) tokens per item, messages.
     max_body_bytes: ByteSize = _32_MIB
     max_media_items: int = 32
     max_item_tokens: int = 16384
+    # Chat messages per request, and content parts over all of them (each costs templating
+    # and tokenizing work that its bytes do not show).
+    max_messages: int = 2048
+    max_content_parts: int = 4096
     # Deadline of a request that brings none (gRPC callers' own deadlines propagate).
     request_timeout_seconds: float = 600.0
     # Realtime audio sessions (Inference.Realtime, GET /v1/realtime): at most this many open
@@ -356,6 +360,8 @@ class ProxyConfig:
             "max_body_bytes",
             "max_media_items",
             "max_item_tokens",
+            "max_messages",
+            "max_content_parts",
         ):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")

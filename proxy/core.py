@@ -115,7 +115,14 @@ class Proxy:
         p = self.config.proxy
         reported = [w.load.max_model_len for w in self.lms.workers.values() if w.load]
         context = max(reported, default=0) or self.context
-        return Limits(p.max_body_bytes, p.max_media_items, p.max_item_tokens, context)
+        return Limits(
+            p.max_body_bytes,
+            p.max_media_items,
+            p.max_item_tokens,
+            context,
+            p.max_messages,
+            p.max_content_parts,
+        )
 
     async def prepare(self, build, prompt, media, *args, **kwargs) -> PreparedRequest:
         """The request built and checked against the limits, before any encode is dispatched.

@@ -22,6 +22,7 @@ The official `openai` client works against it unchanged. Errors come in the Open
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import ssl
@@ -47,6 +48,10 @@ from proxy.validate import check_sampling, parse_chat_body, parse_json_body
 from proxy.workers import overall_status
 
 logger = logging.getLogger(__name__)
+
+# A body larger than this is parsed on a worker thread (its shape check is numpy's, which
+# releases the GIL; its parse holds it for the few containers the limits let through).
+LARGE_BODY_BYTES = 1 << 20
 
 FINISH = {
     epd_pb2.FINISH_REASON_STOP: "stop",
@@ -330,8 +335,13 @@ class HttpApi:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         proxy = self.proxy
         limits = proxy.limits()
-        body = parse_json_body(await read_body(request, limits.max_body_bytes))
-        parsed = parse_chat_body(body, limits)
+        raw = await read_body(request, limits.max_body_bytes)
+        if len(raw) > LARGE_BODY_BYTES:  # off the event loop: every other client waits on it
+            body = await asyncio.to_thread(parse_json_body, raw, limits.max_json_containers)
+            parsed = await asyncio.to_thread(parse_chat_body, body, limits)
+        else:
+            body = parse_json_body(raw, limits.max_json_containers)
+            parsed = parse_chat_body(body, limits)
         proxy.check_model(parsed.model)
         sampling, return_ids = parsed.sampling, parsed.return_token_ids
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"

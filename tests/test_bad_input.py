@@ -26,6 +26,7 @@ from PIL import Image
 from common.process import free_port
 from connector import wire
 from proto import epd_pb2, epd_pb2_grpc
+from proxy.validate import json_shape
 from tests.cluster_helpers import Cluster, image_bytes
 
 CONTEXT = 512
@@ -112,6 +113,8 @@ def b64(data: bytes) -> str:
 
 
 LONG = " ".join(["word"] * (CONTEXT + 50))
+EMPTY = {"role": "user", "content": ""}
+MANY_MESSAGES = json.dumps({"messages": [EMPTY] * 30_000}).encode()
 DEEP = b"[" * 100_000 + b"]" * 100_000
 
 # (name, body (dict: JSON; bytes: raw), expected status, words the error message holds)
@@ -225,6 +228,11 @@ HTTP_CASES = [
     ("prompt over the context", user(LONG), 400, "context"),
     ("max_tokens over the context", with_(max_tokens=CONTEXT), 400, "exceeds the context"),
     ("text far over the context", user("x" * (CONTEXT * 64 + 1)), 400, "characters"),
+    ("too many messages", {"messages": [EMPTY] * 2049}, 400, "proxy.max_messages"),
+    ("too many parts", user([{"type": "text", "text": ""}] * 4097), 400, "proxy.max_content_parts"),
+    # 30,000 empty messages (under the body limit): refused by their count before the body is
+    # parsed, so the invalid JSON after them is never seen.
+    ("messages by the thousand", MANY_MESSAGES + b" not JSON", 400, "objects and arrays"),
 ]
 
 
@@ -420,6 +428,16 @@ GRPC_CASES = [
     ),
     ("unknown model", chat(model="nope"), grpc.StatusCode.NOT_FOUND, "does not exist"),
     ("prompt over the context", chat(text_part(LONG)), INVALID, "context"),
+    (
+        "too many messages",
+        epd_pb2.GenerateRequest(
+            chat=epd_pb2.ChatPrompt(
+                messages=[epd_pb2.ChatMessage(role="user", content=[text_part("")])] * 2049
+            )
+        ),
+        INVALID,
+        "proxy.max_messages",
+    ),
 ]
 
 
@@ -431,6 +449,34 @@ def test_grpc_refuses(cluster, name, request_, code, words):
     assert info.value.code() == code, (name, info.value.details())
     assert words in info.value.details(), (name, info.value.details())
     assert time.monotonic() - started < BOUND_S
+
+
+def _reference_shape(value) -> tuple[int, int]:
+    """(depth, objects and arrays) of a parsed JSON value, by recursion over it."""
+    if isinstance(value, dict | list):
+        children = [
+            _reference_shape(v) for v in (value.values() if isinstance(value, dict) else value)
+        ]
+        return 1 + max((d for d, _ in children), default=0), 1 + sum(n for _, n in children)
+    return 0, 0
+
+
+# Strings full of what the shape counts: brackets, quotes, backslashes (escaped or not).
+TRICKY = st.text(alphabet='{}[]"\\ab', max_size=8)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | TRICKY,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TRICKY, inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON_VALUES, st.booleans())
+def test_json_shape_counts_what_the_parser_builds(value, ascii_only):
+    """The pre-parse shape check (proxy/validate.json_shape) counts depth and containers
+    exactly, whatever the strings hold."""
+    text = json.dumps({"v": value}, ensure_ascii=ascii_only, indent=None if ascii_only else 1)
+    assert json_shape(text.encode()) == _reference_shape({"v": value})
 
 
 RAW_METHODS = ["Generate", "Abort", "ListModels"]
