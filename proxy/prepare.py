@@ -173,11 +173,7 @@ class RequestBuilder:
                 raise BadInput(f"media item {index}: {e.reason}") from None
             except (ArithmeticError, TypeError, ValueError) as e:  # kwargs the math refuses
                 raise BadInput(f"media item {index}: its settings cannot be used: {e}") from None
-            if self.max_item_tokens is not None and grid.num_tokens > self.max_item_tokens:
-                raise BadInput(
-                    f"media item {index} becomes {grid.num_tokens} tokens, more than "
-                    f"{self.max_item_tokens} (proxy.max_item_tokens; lower its max_pixels)"
-                )
+            self._check_size(index, grid)
             items.append(PreparedItem(mm_hash(self.served.fingerprint, item, tenant), item, grid))
         ids = self._expand(ids, items)
         return PreparedRequest(
@@ -205,6 +201,7 @@ class RequestBuilder:
             raise BadInput(self._unsupported(0, item.modality))
         try:
             grid = self.processor.grid(item)
+            self._check_size(0, grid)
             ids, offset, length = self.family.media_prompt(grid)
         except MediaError as e:
             raise BadInput(f"media item 0: {e.reason}") from None
@@ -253,6 +250,15 @@ class RequestBuilder:
                 raise BadInput("continue_final_message needs a final message ending in text")
             text = text[: text.rindex(tail) + len(tail)]
         return self.tokenizer.encode(text), order
+
+    def _check_size(self, index: int, grid: MediaGrid) -> None:
+        if self.max_item_tokens is None or grid.num_tokens <= self.max_item_tokens:
+            return
+        hint = "" if grid.modality == "audio" else "; lower its max_pixels"
+        raise BadInput(
+            f"media item {index} becomes {grid.num_tokens} tokens, more than "
+            f"{self.max_item_tokens} (proxy.max_item_tokens{hint})"
+        )
 
     def _unsupported(self, index: int, modality: str) -> str:
         return (

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import re
+import time
 import urllib.request
 
 import grpc
@@ -137,6 +138,8 @@ BAD = {
     "corrupt header": (b"RIFF\xff\xff\xff\xffWAVEfmt " + b"\x00" * 64, "not a readable audio"),
     "not audio": (b"<html><body>hello</body></html>" * 20, "not a readable audio"),
     "too long": (encode(speech_like(5.0)), "at most 4 s"),
+    # 50 bytes whose header says 1 Hz: 3 s of audio (under this cluster's 4 s) if trusted.
+    "rate 1 Hz": (encode(speech_like(0.1)[:3], 1), "sample rate is 1 Hz"),
 }
 
 
@@ -152,6 +155,21 @@ def test_bad_audio_is_rejected_and_the_cluster_keeps_serving(cluster, clip, case
     client = OpenAI(base_url=f"http://127.0.0.1:{cluster.proxy_http}/v1", api_key="none")
     with pytest.raises(BadRequestError, match=match):
         client.audio.transcriptions.create(model="tiny", file=("x.wav", data))
+    wav, expected = clip
+    prompt, tokens, _ = grpc_transcribe(cluster, wav)
+    assert prompt + tokens == expected
+
+
+def test_raw_pcm_at_an_absurd_rate_is_refused_at_once(cluster, clip):
+    pcm = (speech_like(0.1)[:3] * 32767).astype("<i2").tobytes()  # 3 s at 1 Hz
+    audio = epd_pb2.AudioClip(data=pcm, format=epd_pb2.AUDIO_FORMAT_PCM_S16LE, sample_rate=1)
+    request = epd_pb2.GenerateRequest(media=[epd_pb2.MediaItem(audio=audio)])
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        list(cluster.stub.Generate(request, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sample rate is 1 Hz" in info.value.details()
+    assert time.monotonic() - started < 5.0  # refused from the header: no decode, no encode
     wav, expected = clip
     prompt, tokens, _ = grpc_transcribe(cluster, wav)
     assert prompt + tokens == expected

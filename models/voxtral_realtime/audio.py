@@ -1,6 +1,12 @@
 """Audio in: decoding and resampling (soundfile + soxr), the streaming padding, log-mel
 features, and the placeholder count from the header alone.
 
+A clip's cost is what it becomes at the model's rate, so its length is counted in one place,
+`num_samples`, from the header's frames over a sample rate held to
+[MIN_SAMPLE_RATE, MAX_SAMPLE_RATE] (a WAV header's rate and a raw PCM clip's are both client
+input: soxr resamples any ratio, and 1.2 KB that claim 1 Hz are 599 s of audio); `decode`
+checks the same count before it reads or resamples anything.
+
 A clip becomes LM positions this way: it is resampled to the model's rate, padded with
 `n_left_pad_tokens` tokens' worth of silence on the left and, on the right, up to a whole
 token plus the delay, one more token and a buffer for the last word. The log-mel spectrogram of
@@ -23,16 +29,33 @@ from models.voxtral_realtime.config import FeatureConfig, StreamingConfig
 
 # Containers soundfile reads from bytes (libsndfile): WAV, FLAC, OGG (Vorbis, Opus), MP3.
 CONTAINERS = ("WAV", "FLAC", "OGG", "MP3")
+RAW_SUBTYPES = {"pcm_s16le": "PCM_16", "pcm_f32le": "FLOAT"}
+# Sample rates a clip may have: telephone speech (8 kHz) to studio masters (192 kHz), every
+# rate recorders and codecs write. Below, a few bytes claim minutes of model work; above, a
+# second of model work costs more than 12 seconds' worth of decoding and resampling.
+MIN_SAMPLE_RATE = 8_000
+MAX_SAMPLE_RATE = 192_000
+
+
+def _check_rate(rate: int) -> None:
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise MediaError(
+            f"the audio's sample rate is {rate} Hz; this server takes {MIN_SAMPLE_RATE} to "
+            f"{MAX_SAMPLE_RATE} Hz"
+        )
 
 
 def _open(clip: AudioClip) -> soundfile.SoundFile:
+    """The clip's reader, its sample rate checked (a raw clip's before anything is read)."""
     if not clip.data:
         raise MediaError("the audio file is empty (0 bytes)")
+    subtype = RAW_SUBTYPES.get(clip.format)
+    if subtype is not None:
+        if clip.sample_rate <= 0:
+            raise MediaError(f"{clip.format} audio needs a sample_rate")
+        _check_rate(clip.sample_rate)
     try:
-        if clip.format == "pcm_s16le" or clip.format == "pcm_f32le":
-            if clip.sample_rate <= 0:
-                raise MediaError(f"{clip.format} audio needs a sample_rate")
-            subtype = "PCM_16" if clip.format == "pcm_s16le" else "FLOAT"
+        if subtype is not None:
             return soundfile.SoundFile(
                 io.BytesIO(clip.data),
                 format="RAW",
@@ -42,29 +65,47 @@ def _open(clip: AudioClip) -> soundfile.SoundFile:
                 endian="LITTLE",
             )
         f = soundfile.SoundFile(io.BytesIO(clip.data))
-    except MediaError:
-        raise
     except Exception as e:  # libsndfile says "Format not recognised", "unknown format", ...
         raise MediaError(f"not a readable audio file (WAV, FLAC, OGG or MP3): {e}") from e
-    if f.format not in CONTAINERS:
+    try:
+        if f.format not in CONTAINERS:
+            raise MediaError(f"audio container {f.format} is not one of {', '.join(CONTAINERS)}")
+        _check_rate(f.samplerate)
+    except MediaError:
         f.close()
-        raise MediaError(f"audio container {f.format} is not one of {', '.join(CONTAINERS)}")
+        raise
     return f
 
 
-def duration_seconds(clip: AudioClip) -> float:
-    """The clip's length from its header (no decoding)."""
-    with _open(clip) as f:
-        if f.frames <= 0 or f.samplerate <= 0:
-            raise MediaError("the audio file holds no samples")
-        return f.frames / f.samplerate
+def _frames(f: soundfile.SoundFile, max_seconds: float) -> int:
+    """The header's frame count, held to `max_seconds` at the (checked) rate."""
+    if f.frames <= 0:
+        raise MediaError("the audio file holds no samples")
+    seconds = f.frames / f.samplerate
+    if seconds > max_seconds:
+        raise MediaError(
+            f"the clip is {seconds:.1f} s long; this server takes at most {max_seconds:g} s "
+            "(encoder.max_audio_seconds)"
+        )
+    return f.frames
 
 
-def decode(clip: AudioClip, sampling_rate: int) -> np.ndarray:
-    """The clip as mono float32 samples at `sampling_rate`."""
+def num_samples(clip: AudioClip, sampling_rate: int, max_seconds: float) -> int:
+    """Samples the clip becomes at `sampling_rate`, from its header alone (no decoding): what
+    every count of its positions and work comes from. MediaError for a sample rate outside
+    [MIN_SAMPLE_RATE, MAX_SAMPLE_RATE], no samples, or more than `max_seconds`."""
     with _open(clip) as f:
+        seconds = _frames(f, max_seconds) / f.samplerate
+    return max(1, round(seconds * sampling_rate))
+
+
+def decode(clip: AudioClip, sampling_rate: int, max_seconds: float) -> np.ndarray:
+    """The clip as mono float32 samples at `sampling_rate`: at most the header's frames, held
+    to `max_seconds` (as `num_samples` counts them) before anything is read or resampled."""
+    with _open(clip) as f:
+        frames = _frames(f, max_seconds)
         try:
-            samples = f.read(dtype="float32", always_2d=True)
+            samples = f.read(frames, dtype="float32", always_2d=True)
         except Exception as e:
             raise MediaError(f"the audio data is corrupt: {e}") from e
         rate = f.samplerate

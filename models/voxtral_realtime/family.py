@@ -63,13 +63,7 @@ class AudioProcessor:
     def num_samples(self, item: MediaInput) -> int:
         """Samples at the model's rate, from the header alone."""
         clip = self._check(item)
-        seconds = audio.duration_seconds(clip)
-        if seconds > self.max_audio_seconds:
-            raise MediaError(
-                f"the clip is {seconds:.1f} s long; this server takes at most "
-                f"{self.max_audio_seconds:g} s (encoder.max_audio_seconds)"
-            )
-        return max(1, round(seconds * self.features.sampling_rate))
+        return audio.num_samples(clip, self.features.sampling_rate, self.max_audio_seconds)
 
     def grid(self, item: MediaInput) -> MediaGrid:
         n = self.num_samples(item)
@@ -80,7 +74,7 @@ class AudioProcessor:
     def preprocess(self, item: MediaInput) -> ProcessedMedia:
         grid = self.grid(item)
         n = round(grid.seconds * self.features.sampling_rate)
-        samples = audio.decode(item.audio, self.features.sampling_rate)
+        samples = audio.decode(item.audio, self.features.sampling_rate, self.max_audio_seconds)
         if not np.any(samples):
             raise MediaError("the clip is silent (every sample is zero)")
         # The header's length decides the placeholder count: the decoded clip is held to it.
