@@ -29,8 +29,10 @@ def registry_key(namespace: str, role: str) -> str:
 
 
 def restarts_key(namespace: str) -> str:
-    """A hash, role name -> JSON {"restarts", "last", "reason", "gave_up"}: what `epd up`'s
-    supervisor did (the dashboard shows it)."""
+    """A hash, role name -> JSON {"restarts", "last", "reason", "exit_code", "deaths" (within
+    "window_seconds"), "backed_off", "state" ("waiting" | "starting" | "serving"), "until" (the
+    next restart, unix seconds, or null), "cannot_run"}: what `epd up`'s supervisor did (the
+    dashboard shows it)."""
     return f"{namespace}:restarts"
 
 

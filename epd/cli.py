@@ -234,8 +234,9 @@ def build_parser(with_benches: bool = True, with_models: bool = True) -> argpars
         "--max-restarts",
         type=int,
         default=5,
-        help="restarts of a role (or the embedded Redis) within 5 minutes before the cluster "
-        "gives up and stops (default 5; 0: a role that dies stops the cluster)",
+        help="deaths of a role (or the embedded Redis) within 5 minutes before it is backed "
+        "off (restarted 16 s, 32 s, ... up to 5 min later); a kind of role whose replicas all "
+        "die before SERVING more than this many restarts in a row stops the cluster (default 5)",
     )
     up.set_defaults(func=cmd_up)
 

@@ -12,8 +12,13 @@ workers drain). Children die with the launcher even if it is killed (see common.
 Supervision: a role (or the embedded Redis) that dies after start-up is restarted on the same
 address, after a backoff (0.5 s doubling, at most 8 s), while the cluster serves on the
 survivors (the proxy fails its requests over). A role that dies more than `max_restarts` times
-within RESTART_WINDOW seconds is given up on and the cluster stops, loudly. Restarts are
-recorded in Redis ({namespace}:restarts) for the dashboard.
+within RESTART_WINDOW seconds is backed off: still restarted, but 16 s after its next death,
+then 32 s, ... at most BACKOFF_LONG, until it has served RESTART_WINDOW unbroken; the other
+roles serve on. The cluster stops (exit code 1) only when a kind of role cannot run at all:
+every encoder, every LM worker or the proxy has had more than `max_restarts` restarts in a row
+die before reaching SERVING (a model that no longer loads, say). A hostile client that kills a
+role again and again therefore costs that role, never the cluster. Each death, restart and
+return to SERVING is logged and recorded in Redis ({namespace}:restarts) for the dashboard.
 """
 
 from __future__ import annotations
@@ -53,27 +58,81 @@ class LaunchError(RuntimeError):
     pass
 
 
-RESTART_WINDOW = 300.0  # seconds over which a role's restarts count against its budget
-BACKOFF_FIRST, BACKOFF_MAX = 0.5, 8.0
+RESTART_WINDOW = 300.0  # seconds over which a role's deaths count against its budget
+BACKOFF_FIRST, BACKOFF_MAX = 0.5, 8.0  # within the budget: 0.5 s doubling to 8 s
+BACKOFF_LONG = 300.0  # past it (backed off): 16 s doubling to this
+HEALTH_POLL = 0.5  # seconds between health checks of a restarted role until it is SERVING
+KINDS = ("encoder", "lm", "proxy")  # the cluster needs one of each that can run
 
 
 @dataclass
 class Supervision:
-    """One supervised process's restart record."""
+    """One supervised process's deaths, backoff and restart record."""
 
     name: str
     deaths: list[float] = field(default_factory=list)  # monotonic times, within the window
     restarts: int = 0
+    started: float | None = None  # monotonic time of its last (re)start
+    serving: bool = False  # reached SERVING since that start
+    unserved: int = 0  # deaths in a row before reaching SERVING: restarts that could not run
+    backoffs: int = 0  # deaths past the budget since it last served a window unbroken
     due: float | None = None  # when the pending restart runs
+    code: int | None = None  # its last exit code
     reason: str = ""
 
-    def died(self, now: float, reason: str, budget: int) -> float | None:
-        """The backoff before restarting, or None when the budget is spent."""
+    def died(self, now: float, code: int, budget: int) -> float:
+        """Schedule the restart; its delay in seconds. 0.5 s doubling to 8 s while its deaths
+        within RESTART_WINDOW are at most `budget`; past that it is backed off, 16 s doubling to
+        BACKOFF_LONG, until it has served RESTART_WINDOW unbroken."""
+        self.settle(now)
         self.deaths = [t for t in self.deaths if now - t < RESTART_WINDOW] + [now]
-        self.reason = reason
-        if len(self.deaths) > budget:
-            return None
-        return min(BACKOFF_FIRST * 2 ** (len(self.deaths) - 1), BACKOFF_MAX)
+        if not self.serving:
+            self.unserved += 1
+        self.serving = False
+        self.code, self.reason = code, f"exit code {code}"
+        if self.backoffs or len(self.deaths) > budget:
+            self.backoffs += 1
+            delay = min(BACKOFF_MAX * 2**self.backoffs, BACKOFF_LONG)
+        else:
+            delay = min(BACKOFF_FIRST * 2 ** (len(self.deaths) - 1), BACKOFF_MAX)
+        self.due = now + delay
+        return delay
+
+    def restarted(self, now: float) -> None:
+        self.due, self.started, self.serving = None, now, False
+        self.restarts += 1
+
+    def reached_serving(self) -> None:
+        self.serving, self.unserved = True, 0
+
+    def settle(self, now: float) -> bool:
+        """End the backoff of one that has served RESTART_WINDOW unbroken; True if it ended."""
+        settled = self.serving and self.started is not None and now - self.started >= RESTART_WINDOW
+        if self.backoffs and settled:
+            self.backoffs = 0
+            return True
+        return False
+
+    def cannot_run(self, budget: int) -> bool:
+        """More than `budget` restarts in a row died before reaching SERVING."""
+        return self.unserved > budget
+
+    def record(self, now: float, budget: int) -> dict:
+        """Its entry in {namespace}:restarts, for the dashboard (times: unix seconds)."""
+        wall = time.time()
+        state = "waiting" if self.due is not None else "serving" if self.serving else "starting"
+        return {
+            "restarts": self.restarts,
+            "last": round(wall, 1),
+            "reason": self.reason,
+            "exit_code": self.code,
+            "deaths": sum(now - t < RESTART_WINDOW for t in self.deaths),
+            "window_seconds": RESTART_WINDOW,
+            "backed_off": self.backoffs > 0,
+            "state": state,  # "waiting" for its restart, "starting", "serving"
+            "until": None if self.due is None else round(wall + self.due - now, 1),
+            "cannot_run": self.cannot_run(budget),
+        }
 
 
 @dataclass
@@ -184,6 +243,9 @@ class LocalCluster:
         self._wait_serving(workers)
         self._spawn(self.proxy)
         self._wait_serving([self.proxy])
+        for sup in self._supervisions():
+            sup.started = time.monotonic()
+            sup.reached_serving()
         self._print_endpoints(time.monotonic() - started)
 
     def _check_ports_free(self) -> None:
@@ -299,66 +361,125 @@ class LocalCluster:
             signal.signal(sig, self._on_signal)
 
     def wait(self) -> int:
-        """Supervise until a signal (exit code 0) or a role out of restarts (exit code 1)."""
+        """Supervise until a signal (exit code 0) or a kind of role that cannot run at all
+        (exit code 1)."""
         while True:
-            due = [
-                s.due for s in self._supervisions() if s.due is not None
-            ]  # the next restart wakes the loop
-            timeout = max(min(due) - time.monotonic(), 0) if due else None
-            self._wake.wait(timeout)
+            self._wake.wait(self._next_wake(time.monotonic()))
             self._wake.clear()
             if self.stopping:
                 return 0
-            now = time.monotonic()
-            watched = [(r.supervision, r.child) for r in self.roles]
-            if isinstance(self.redis, EmbeddedRedis):
-                watched.insert(0, (self.redis_supervision, self.redis.child))
-            elif any(child.poll() is not None for child in self._redis_children()):
-                # A node of the embedded Redis Cluster: not restarted (its slots would need
-                # re-assigning); the cluster stops, loudly.
+            code = self.supervise(time.monotonic())
+            if code is not None:
+                return code
+
+    def _next_wake(self, now: float) -> float | None:
+        """Seconds until the next restart, health check of a restarted role, or end of a
+        backoff; None: only a signal or a child's exit (SIGCHLD) wakes the loop."""
+        times = [s.due for s in self._supervisions() if s.due is not None]
+        if any(self._starting(r) for r in self.roles):
+            times.append(now + HEALTH_POLL)
+        times += [
+            s.started + RESTART_WINDOW
+            for s in self._supervisions()
+            if s.backoffs and s.serving and s.started is not None
+        ]
+        return max(min(times) - now, 0) if times else None
+
+    def supervise(self, now: float) -> int | None:
+        """One pass: schedule the restart of what died, run the restarts that are due, check
+        the restarted roles' health. An exit code when the cluster must stop."""
+        watched = [(r.supervision, r.child) for r in self.roles]
+        if isinstance(self.redis, EmbeddedRedis):
+            watched.insert(0, (self.redis_supervision, self.redis.child))
+        elif any(child.poll() is not None for child in self._redis_children()):
+            # A node of the embedded Redis Cluster: not restarted (its slots would need
+            # re-assigning); the cluster stops, loudly.
+            print("an embedded Redis Cluster node exited; stopping the cluster", file=sys.stderr)
+            return 1
+        for sup, child in watched:
+            if sup.due is None and child is not None and child.poll() is not None:
+                self._died(sup, child.poll(), now)
+        if (kind := self._kind_that_cannot_run()) is not None:
+            roles = [r for r in self.roles if r.kind == kind]
+            print(
+                f"no {kind} can run: {', '.join(r.name for r in roles)} each died more than "
+                f"--max-restarts {self.max_restarts} times in a row before reaching SERVING "
+                f"(last: {roles[-1].supervision.reason}); stopping the cluster",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+        if self.redis_supervision.due is not None and self.redis_supervision.due <= now:
+            self._restart_redis(now)
+        for role in self.roles:
+            sup = role.supervision
+            if sup.due is not None and sup.due <= now:
+                sup.restarted(now)
+                self._spawn(role)
+                print(f"{role.name} restarted", file=sys.stderr, flush=True)
+                self._record(sup, now)
+            elif self._starting(role) and self._status(role) == "SERVING":
+                sup.reached_serving()
+                print(f"{role.name} SERVING again", file=sys.stderr, flush=True)
+                self._record(sup, now)
+        for sup in self._supervisions():
+            if sup.settle(now):
                 print(
-                    "an embedded Redis Cluster node exited; stopping the cluster", file=sys.stderr
+                    f"{sup.name} has served {RESTART_WINDOW:.0f}s unbroken: no longer backed off",
+                    file=sys.stderr,
+                    flush=True,
                 )
-                return 1
-            for sup, child in watched:
-                dead = sup.due is None and child is not None and child.poll() is not None
-                if dead and not self._died(sup, child.poll(), now):
-                    return 1
-            if self.redis_supervision.due is not None and self.redis_supervision.due <= now:
-                self._restart_redis()
-            for role in self.roles:
-                if role.supervision.due is not None and role.supervision.due <= now:
-                    role.supervision.due = None
-                    role.supervision.restarts += 1
-                    self._spawn(role)
-                    print(f"{role.name} restarted", file=sys.stderr, flush=True)
-                    self._record(role.supervision)
+                self._record(sup, now)
+        return None
+
+    def _starting(self, role: Role) -> bool:
+        """Restarted, alive, not yet SERVING: its health is polled."""
+        sup = role.supervision
+        alive = role.child is not None and role.child.poll() is None
+        return sup.due is None and not sup.serving and alive
+
+    def _kind_that_cannot_run(self) -> str | None:
+        """A kind every replica of which has had more than `max_restarts` restarts in a row
+        die before reaching SERVING."""
+        for kind in KINDS:
+            roles = [r for r in self.roles if r.kind == kind]
+            if roles and all(r.supervision.cannot_run(self.max_restarts) for r in roles):
+                return kind
+        return None
 
     def _supervisions(self) -> list[Supervision]:
         return [self.redis_supervision, *(r.supervision for r in self.roles)]
 
-    def _died(self, sup: Supervision, code: int, now: float) -> bool:
-        """Schedule the restart; False when the budget is spent (the cluster stops)."""
-        delay = sup.died(now, f"exit code {code}", self.max_restarts)
-        if delay is None:
-            print(
-                f"{sup.name} stopped unexpectedly (exit code {code}) {len(sup.deaths)} times in "
-                f"{RESTART_WINDOW:.0f}s, more than --max-restarts {self.max_restarts}; "
-                "stopping the cluster",
-                file=sys.stderr,
-                flush=True,
+    def _died(self, sup: Supervision, code: int, now: float) -> None:
+        """Schedule the restart, and say when and why."""
+        delay = sup.died(now, code, self.max_restarts)
+        deaths = f"{len(sup.deaths)} deaths in {RESTART_WINDOW:.0f}s"
+        if sup.backoffs:
+            plan = (
+                f"backed off: restarting in {delay:.0f}s ({deaths}; past --max-restarts "
+                f"{self.max_restarts} a role is retried less and less often until it serves "
+                f"{RESTART_WINDOW:.0f}s unbroken; the other roles keep serving)"
             )
-            return False
-        sup.due = now + delay
+        else:
+            plan = (
+                f"restarting in {delay:.1f}s (death {len(sup.deaths)} of {self.max_restarts} "
+                f"allowed in {RESTART_WINDOW:.0f}s)"
+            )
         print(
-            f"{sup.name} stopped unexpectedly (exit code {code}); restarting in {delay:.1f}s "
-            f"(death {len(sup.deaths)} of {self.max_restarts} allowed in {RESTART_WINDOW:.0f}s)",
+            f"{sup.name} stopped unexpectedly (exit code {code}); {plan}",
             file=sys.stderr,
             flush=True,
         )
-        return True
+        if sup.cannot_run(self.max_restarts):
+            print(
+                f"{sup.name} cannot run here: {sup.unserved} restarts in a row died before "
+                "SERVING; still retried, and the cluster stops if no other of its kind can run",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._record(sup, now)
 
-    def _restart_redis(self) -> None:
+    def _restart_redis(self, now: float) -> None:
         sup = self.redis_supervision
         sup.due = None
         self.redis.stop()  # its data is gone: the cluster re-encodes what it misses
@@ -368,21 +489,25 @@ class LocalCluster:
             print(f"the embedded Redis did not restart: {e}", file=sys.stderr, flush=True)
             sup.due = time.monotonic() + BACKOFF_MAX
             return
-        sup.restarts += 1
+        sup.restarted(now)
+        sup.reached_serving()
         print("the embedded Redis server restarted (empty)", file=sys.stderr, flush=True)
         for s in self._supervisions():  # the restart record was in it
-            if s.restarts:
-                self._record(s)
+            if s.reason:
+                self._record(s, now)
 
-    def _record(self, sup: Supervision) -> None:
-        """The restart in Redis, for the dashboard (best effort: Redis may be down too)."""
+    def _record(self, sup: Supervision, now: float) -> None:
+        """Its restart record in Redis, for the dashboard."""
+        self._write_record(sup.name, sup.record(now, self.max_restarts))
+
+    def _write_record(self, name: str, value: dict) -> None:
+        """Best effort: Redis may be down too."""
         c = self.config.connector
-        value = {"restarts": sup.restarts, "last": round(time.time(), 1), "reason": sup.reason}
         try:
             with redis.Redis.from_url(c.redis_url, socket_timeout=2, socket_connect_timeout=2) as r:
-                r.hset(restarts_key(c.namespace), sup.name, json.dumps(value))
+                r.hset(restarts_key(c.namespace), name, json.dumps(value))
         except (redis.RedisError, OSError) as e:
-            logger.warning("could not record %s's restart in Redis: %s", sup.name, e)
+            logger.warning("could not record %s's restart in Redis: %s", name, e)
 
     def _redis_children(self) -> list[Child]:
         servers = self.redis.nodes if self.redis is not None else []

@@ -217,7 +217,8 @@ class Dashboard:
         self.started = time.time()
         self.history = History(history_seconds)
         self.redis_info: dict[str, Any] = {"reachable": False, "error": "not checked yet"}
-        # Role name -> {"restarts", "last", "reason"}: what `epd up`'s supervisor did.
+        # Role name -> {"restarts", "last", "reason", "backed_off", "until", ...}: what `epd up`'s
+        # supervisor did (connector.registry.restarts_key).
         self.restarts: dict[str, dict[str, Any]] = {}
         self._last: dict[str, Any] | None = None  # counters at the previous sample
         self._recent: deque[tuple[float, dict]] = deque(maxlen=RECENT_SECONDS)
