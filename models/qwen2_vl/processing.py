@@ -239,13 +239,11 @@ class MediaProcessor:
         grid = self.video_file_grid(data, kwargs)
         cfg = self._config("video", kwargs, allowed=VIDEO_KWARGS)
         meta = grid.video_metadata
-        frames = containers.decode_frames(data, meta.frames_indices, meta.total_num_frames)
-        for frame in frames:
-            if frame.size != (meta.width, meta.height):
-                raise MediaError(
-                    f"a decoded frame is {frame.size[0]}x{frame.size[1]}; the header says "
-                    f"{meta.width}x{meta.height}"
-                )
+        # Each frame is resized as it is decoded (the resize _pixel_values would do): a
+        # high-resolution stream is never held at full size frame after frame.
+        frames = containers.decode_frames(
+            data, meta.frames_indices, meta.total_num_frames, _frame_size(grid, cfg), cfg.resample
+        )
         return ProcessedMedia(grid, _pixel_values(frames, grid, cfg))
 
     # -- helpers -------------------------------------------------------------------------------
@@ -361,15 +359,20 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+def _frame_size(grid: MediaGrid, cfg: ProcessorConfig) -> tuple[int, int]:
+    """The (width, height) every frame of the item is resized to."""
+    _, grid_h, grid_w = grid.grid_thw
+    return grid_w * cfg.patch_size, grid_h * cfg.patch_size
+
+
 def _pixel_values(
     frames: Iterable[Image.Image], grid: MediaGrid, cfg: ProcessorConfig
 ) -> torch.Tensor:
-    _, grid_h, grid_w = grid.grid_thw
-    height, width = grid_h * cfg.patch_size, grid_w * cfg.patch_size
+    size = _frame_size(grid, cfg)
     arrays = []
     for frame in frames:
-        if frame.size != (width, height):
-            frame = frame.resize((width, height), resample=Image.Resampling(cfg.resample))
+        if frame.size != size:
+            frame = frame.resize(size, resample=Image.Resampling(cfg.resample))
         arrays.append(np.asarray(frame))  # [H, W, 3] uint8
     stacked = np.stack(arrays)
     # A picture is one frame that every patch holds T times: look each byte up once.
