@@ -184,6 +184,13 @@ class ConnectorConfig:
     # errors before an operation fails with the URL and the cause.
     op_timeout_seconds: float = 5.0
     retries: int = 3
+    # The most one embedding-store operation on a request's path may take, retries included.
+    # A Redis that does not answer within it fails the requests that need it (UNAVAILABLE /
+    # HTTP 503 naming the store) and is marked not answering: then such requests fail at once,
+    # and it is PINGed every probe_interval_seconds until it answers. A restart shorter than
+    # the deadline is ridden out by the retries.
+    request_deadline_seconds: float = 3.0
+    probe_interval_seconds: float = 0.5
     # The LM worker's in-process hot tier in front of Redis (0: off).
     local_cache_bytes: ByteSize = _ONE_GIB
     # The password of the URL's user (an ACL user, or the default user), kept out of the URL so
@@ -209,6 +216,8 @@ class ConnectorConfig:
         _check_positive("ttl_seconds", self.ttl_seconds)
         _check_positive("startup_wait_seconds", self.startup_wait_seconds)
         _check_positive("op_timeout_seconds", self.op_timeout_seconds)
+        _check_positive("request_deadline_seconds", self.request_deadline_seconds)
+        _check_positive("probe_interval_seconds", self.probe_interval_seconds)
         if self.retries < 0:
             raise ConfigError("retries", f"must be >= 0, got {self.retries}")
         if self.mode == "cluster" and self.url is not None:
@@ -267,6 +276,8 @@ class ConnectorConfig:
             "op_timeout": self.op_timeout_seconds,
             "retries": self.retries,
             "mode": self.mode,
+            "deadline": self.request_deadline_seconds,
+            "probe_interval": self.probe_interval_seconds,
         }
 
 

@@ -4,6 +4,7 @@ from connector.client import RedisUnavailable, redact_url, wait_until_reachable
 from connector.ec import ConnectorError, ECConnector, PutResult
 from connector.ec_async import AsyncECConnector
 from connector.embedded import EmbeddedRedis, EmbeddedServerError
+from connector.health import StoreUnavailable
 
 __all__ = [
     "AsyncECConnector",
@@ -13,6 +14,7 @@ __all__ = [
     "EmbeddedServerError",
     "PutResult",
     "RedisUnavailable",
+    "StoreUnavailable",
     "redact_url",
     "wait_until_reachable",
 ]

@@ -78,7 +78,12 @@ def _is_topology_error(e: Exception) -> bool:
 
 class ConnectorError(RuntimeError):
     """Redis could not do what was asked (unreachable after retries, or refused the command).
-    The message names the (redacted) URL and the cause."""
+    The message names the (redacted) URL and the cause; `kind` says which: "connection" or
+    "timeout" (no answer: worth another try) or "response" (Redis answered with an error)."""
+
+    def __init__(self, message: str, kind: str = "response"):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,8 @@ class ECConnector:
         op_timeout: float = 5.0,
         retries: int = 3,
         mode: Mode = "standalone",
+        deadline: float = 3.0,
+        probe_interval: float = 0.5,
     ):
         if not _HASH_RE.match(fingerprint):
             raise ValueError(f"model fingerprint {fingerprint!r} is not a short token")
@@ -113,6 +120,11 @@ class ECConnector:
         self.ttl_seconds = ttl_seconds
         self.op_timeout = op_timeout
         self.retries = retries
+        # The asyncio flavour's budget for one operation, retries included, and its probing of
+        # a store marked not answering (connector/ec_async.py). Blocking callers (tools, tests)
+        # wait as long as the retries take.
+        self.deadline = deadline
+        self.probe_interval = probe_interval
         self.mode = mode
         self.cluster = mode == "cluster"
         self.prefix = f"{namespace}:ec:{fingerprint}:"
@@ -185,13 +197,19 @@ class ECConnector:
         found, rest = self.split_local("get", hashes)
         misses: list[str] = []
         if rest:
-            values = self._fetch(rest)
-            fetched, misses, corrupt = self._decode_values(rest, values)
+            fetched, misses = self.fetch_many(rest)
             found.update(fetched)
-            if corrupt:
-                self._delete_keys(corrupt)
         self.metrics.get_seconds.observe(time.perf_counter() - started)
         return found, misses
+
+    def fetch_many(self, hashes: Sequence[str]) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """get_many's Redis half, for hashes the local tier was asked for already: one MGET;
+        what it finds goes into the local tier."""
+        values = self._fetch(list(hashes))
+        fetched, misses, corrupt = self._decode_values(list(hashes), values)
+        if corrupt:
+            self._delete_keys(corrupt)
+        return fetched, misses
 
     def wait_for(self, hashes: Sequence[str], timeout: float) -> set[str]:
         """Block until every hash is held or `timeout` seconds pass; woken by the publish of
@@ -253,7 +271,7 @@ class ECConnector:
         else:
             kind, what = "response", "refused the command"
         self.metrics.redis_errors.labels(kind).inc()
-        return ConnectorError(f"{op}: Redis at {redact_url(self.url)} {what}: {e}")
+        return ConnectorError(f"{op}: Redis at {redact_url(self.url)} {what}: {e}", kind)
 
     def split_local(self, op: str, hashes: Sequence[str]) -> tuple[dict, list[str]]:
         """The hashes the local tier holds (with their tensors), and the rest. Counted."""

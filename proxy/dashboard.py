@@ -4,8 +4,10 @@ from anywhere but this proxy) and `GET /dashboard/state` (the same data as JSON,
 Once a second a sampler reads what the proxy already keeps (its Prometheus counters through
 their public `collect()`, the workers' last GetLoad answers, `Proxy.pending`) and appends one
 sample to a ring buffer of `HISTORY_SECONDS`; every other second it asks Redis for `INFO memory`,
-`INFO stats` and `DBSIZE`. Time to first token and inter-token latency percentiles come from the
-raw values the proxy observes (ProxyMetrics' latency windows: the last minute, bounded).
+`INFO stats` and `DBSIZE` (a poll that gets no answer counts against the store's health, as
+the proxy's own store operations do: connector/health.py). Time to first token and
+inter-token latency percentiles come from the raw values the proxy observes (ProxyMetrics'
+latency windows: the last minute, bounded).
 Everything is bounded: an hour of traffic or 50 workers cost what 15 minutes and 3 do.
 
 `GET /dashboard/state[?since=T]` (T: unix seconds; history after T only, what the page polls):
@@ -39,7 +41,10 @@ Everything is bounded: an hour of traffic or 50 workers cost what 15 minutes and
         "items": {"held": 1, "encoded": 1, "deduplicated": 0}, "reencodes": 0,
         "redis": {"reachable": true, "used_memory_bytes": 1048576, "maxmemory_bytes": 0,
                   "maxmemory_policy": "noeviction", "evicted_keys": 0, "expired_keys": 0,
-                  "keys": 3, "error": "", "checked": 1760000000.0}},
+                  "keys": 3, "error": "", "checked": 1760000000.0},
+        "store": {"answering": true, "since": 1760000000.0,   # the proxy's view of Redis:
+                  "error": "", "deadline_seconds": 3.0}},     # not answering: image requests
+                                                              # fail at once (503)
       "traffic": {"requests_total": 10, "requests_per_second": 0.4,   # mean of the last 10 s
                   "recent_seconds": 300,
                   "by_status": [{"api": "grpc", "status": "OK", "error": false,
@@ -295,17 +300,21 @@ class Dashboard:
         proxy = self.proxy
         if proxy is None:
             return
+        started = time.monotonic()
         try:
             async with asyncio.timeout(REDIS_TIMEOUT):
                 memory, stats, keys = await store_stats(proxy.redis)
                 restarts = await proxy.redis.hgetall(restarts_key(proxy.config.connector.namespace))
         except (redis.RedisError, OSError, TimeoutError, ValueError) as e:
-            self.redis_info = {
-                **self.redis_info,
-                "reachable": False,
-                "error": f"{type(e).__name__}: {e}" if str(e) else type(e).__name__,
-            }
+            error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            self.redis_info = {**self.redis_info, "reachable": False, "error": error}
+            # NOTE: a cluster's INFO asks every master, and one lost master (its entries are
+            # misses until its replica takes over) is not a store that does not answer.
+            lost = (redis.ConnectionError, redis.TimeoutError, OSError, TimeoutError)
+            if isinstance(e, lost) and proxy.config.connector.mode == "standalone":
+                proxy.connector.unanswered(started, f"INFO: {error}")
             return
+        proxy.connector.answered()
         self.redis_info = {
             "reachable": True,
             "used_memory_bytes": int(memory.get("used_memory", 0)),
@@ -406,6 +415,7 @@ class Dashboard:
             "items": items,
             "reencodes": int(counters["reencodes"]),
             "redis": self.redis_info,
+            "store": proxy.connector.health.state(),
         }
 
     def _traffic(self, proxy: Proxy, now: float) -> dict[str, Any]:

@@ -14,7 +14,9 @@ several proxies share single flight too:
 Items this proxy encodes are spread over the encoders by outstanding work (largest items first
 onto the least loaded), one Encode call per chosen encoder. A call that fails without an answer
 (the worker died, timed out, is draining) is retried on another encoder after a jittered
-backoff; an item the encoder refuses (corrupt, unsupported) fails its future with BadInput.
+backoff; an item the encoder refuses (corrupt, unsupported) fails its future with BadInput. An
+embedding store that is not answering (StoreUnavailable) fails the items at once: no encoder
+could publish them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import grpc
 
 from common.media import media_to_proto
 from common.signing import HashSigner
-from connector import AsyncECConnector, ConnectorError
+from connector import AsyncECConnector, ConnectorError, StoreUnavailable
 from proto import epd_pb2
 from proxy.metrics import ProxyMetrics
 from proxy.prepare import BadInput, PreparedItem
@@ -113,6 +115,10 @@ class EncodeDispatcher:
             claimed = await self.connector.claim(
                 [i.mm_hash for i in items], self.owner, self.mark_ttl_ms
             )
+        except StoreUnavailable as e:
+            # An encoder could not publish them: fail now rather than after its own deadline.
+            self._fail(items, Unavailable(str(e)))
+            return
         except ConnectorError as e:
             # Without Redis's answer the encode goes ahead here: at worst another proxy
             # encodes the item too (the encoder stores it once).
@@ -157,6 +163,9 @@ class EncodeDispatcher:
                 return
             try:
                 missing = await self.connector.wait_for([h], min(remaining, self.mark_ttl))
+            except StoreUnavailable as e:
+                self._fail([item], Unavailable(str(e)))
+                return
             except ConnectorError as e:
                 logger.warning("waiting for %s: %s", h, e)
                 missing = {h}

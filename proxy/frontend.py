@@ -1,6 +1,7 @@
 """One request through the cluster, for both APIs:
 
-    has_many(all items)                       one round trip; held items go to no encoder
+    has_many(all items)                       one round trip; held items go to no encoder;
+                                              a store not answering fails the request (503)
     submit(missing items)                     single flight, split over encoders by load
     LM Generate, sent at once                 the LM worker waits (notified) for embeddings
       <- tokens stream back                   re-encode what it reports missing, continue
@@ -25,7 +26,7 @@ from functools import partial
 
 import grpc
 
-from connector import AsyncECConnector, ConnectorError
+from connector import AsyncECConnector, ConnectorError, StoreUnavailable
 from proto import epd_pb2
 from proxy.affinity import Affinity, PromptChains
 from proxy.encode import RETRYABLE, EncodeDispatcher, Unavailable, backoff
@@ -119,6 +120,9 @@ class Frontend:
             hashes = [i.mm_hash for i in req.items]
             try:
                 held = await self.connector.has_many(hashes)
+            except StoreUnavailable as e:
+                # Embeddings reach the LM workers only through the store: no way around it.
+                raise Unavailable(str(e)) from None
             except ConnectorError as e:
                 # Without the cache's answer every item is encoded; encoders skip what is held.
                 logger.warning("has_many failed (%s): encoding every item", e)
