@@ -636,8 +636,9 @@ class ClusterTLSConfig:
 @dataclass(frozen=True)
 class SecurityConfig:
     # The cluster's shared secret: the proxy signs each media hash it hands an encoder with it,
-    # and encoders store embeddings only under hashes so signed. The same value on the proxy
-    # and every encoder: EPD_CLUSTER_SECRET, or a file holding it (`epd up` makes one).
+    # and encoders store embeddings only under hashes so signed; without tls, workers answer
+    # only calls carrying its token (common/cluster_auth.py). The same value on the proxy and
+    # every worker: EPD_CLUSTER_SECRET, or a file holding it (`epd up` makes one).
     secret: str | None = field(default=None, metadata=SECRET)
     secret_file: str | None = None
     tls: ClusterTLSConfig = field(default_factory=ClusterTLSConfig)

@@ -5,6 +5,7 @@
 
 Besides the role's own services, every server answers grpc.health.v1 (what Kubernetes probes
 and the proxy watches) and server reflection (so grpcurl and friends work without the .proto).
+A worker's server answers only the proxy (common/cluster_auth.py): health is open to all.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from common.cluster_auth import RequireToken
 from common.config import parse_address
 
 logger = logging.getLogger(__name__)
@@ -83,13 +85,17 @@ class RoleServer:
         listen: str,
         services: Sequence[Service],
         credentials: grpc.ServerCredentials | None = None,
+        token: str | None = None,
     ):
-        """`credentials`: TLS (common/tls.py) on the one port, health included; None: plain."""
+        """`credentials`: TLS (common/tls.py) on the one port, health included; None: plain.
+        `token`: every call but health must carry this cluster token (common/cluster_auth.py:
+        a worker answers only the proxy); None: no such check."""
         self.role = role
         self.listen = listen
         self.credentials = credentials
         self.services = list(services)
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        interceptors = [] if token is None else [RequireToken(token)]
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self.health = HealthServicer()
         self.draining = False
         self.inflight = 0

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from common.cluster_auth import aio_interceptors, with_token
 from common.config import ClusterTLSConfig, ConfigError
 
 
@@ -73,21 +74,31 @@ def cluster_channel_options(tls: ClusterTLSConfig) -> list[tuple[str, str]]:
     return []
 
 
-def cluster_aio_channel(address: str, tls: ClusterTLSConfig, options: list) -> grpc.aio.Channel:
-    """An asyncio channel to a worker: mTLS when cluster.tls is set, plaintext otherwise."""
+def cluster_aio_channel(
+    address: str, tls: ClusterTLSConfig, options: list, token: str | None = None
+) -> grpc.aio.Channel:
+    """An asyncio channel to a worker: mTLS when cluster.tls is set, plaintext otherwise;
+    with `token` (common/cluster_auth.py), every call carries the cluster token."""
     credentials = cluster_channel_credentials(tls)
+    interceptors = aio_interceptors(token)
     if credentials is None:
-        return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     return grpc.aio.secure_channel(
-        address, credentials, options=[*options, *cluster_channel_options(tls)]
+        address,
+        credentials,
+        options=[*options, *cluster_channel_options(tls)],
+        interceptors=interceptors,
     )
 
 
-def cluster_channel(address: str, tls: ClusterTLSConfig | None, options: list = ()) -> grpc.Channel:
+def cluster_channel(
+    address: str, tls: ClusterTLSConfig | None, options: list = (), token: str | None = None
+) -> grpc.Channel:
     """The blocking flavour of cluster_aio_channel (health checks, tools)."""
     credentials = cluster_channel_credentials(tls) if tls is not None else None
     if credentials is None:
-        return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(
+        return with_token(grpc.insecure_channel(address, options=list(options)), token)
+    channel = grpc.secure_channel(
         address, credentials, options=[*options, *cluster_channel_options(tls)]
     )
+    return with_token(channel, token)

@@ -18,6 +18,7 @@ import grpc
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from common.cluster_auth import required_token
 from common.config import ClusterConfig
 from common.media import media_from_proto
 from common.server import RoleServer, Service, run_worker
@@ -205,7 +206,8 @@ async def serve(config: ClusterConfig, name: str) -> int:
         epd_pb2_grpc.add_EncoderServicer_to_server,
     )
     credentials = cluster_server_credentials(config.cluster.tls)
-    server = servicer.role = RoleServer(name, config.encoder.listen, [service], credentials)
+    token = required_token(config.cluster)  # only the proxy may call (cluster_auth)
+    server = servicer.role = RoleServer(name, config.encoder.listen, [service], credentials, token)
     options = config.heartbeat_options("encoder")
     heartbeat = Heartbeat(**options) if options else None
     return await run_worker(config.encoder, server, servicer.load, servicer.close, heartbeat)

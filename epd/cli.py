@@ -45,6 +45,37 @@ def _config_from_args(args: argparse.Namespace, overrides: dict[str, Any]) -> Cl
     return load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
 
 
+def up_config(args: argparse.Namespace) -> ClusterConfig:
+    """`epd up`'s config: the file's, with the flags over it. `--api-key` keys reach the proxy
+    through its environment (secret_env), not its argv; `--api-key-file` is handed on as
+    proxy.api_keys_file, which the proxy reads itself, tenants included (`KEY [TENANT]`)."""
+    from proxy.auth import read_keys_file
+
+    overrides = {
+        "model.path": args.model,
+        "proxy.grpc_port": args.grpc_port,
+        "proxy.http_port": args.http_port,
+        "proxy.tls_cert": args.tls_cert,
+        "proxy.tls_key": args.tls_key,
+        "connector.url": args.redis_url,
+        "connector.mode": "cluster" if args.redis_cluster else None,
+    }
+    config = _config_from_args(args, overrides)
+    if args.api_key_file:
+        read_keys_file(args.api_key_file)  # a bad file fails here, not in the proxy
+        path = os.path.abspath(args.api_key_file)  # the proxy runs in another directory
+        given = config.proxy.api_keys_file
+        if given is not None and os.path.abspath(given) != path:
+            raise ConfigError(
+                "--api-key-file",
+                f"proxy.api_keys_file is already {given!r}: give one keys file, not two",
+            )
+        overrides["proxy.api_keys_file"] = path
+    if args.api_key:
+        overrides["proxy.api_keys"] = [*config.proxy.api_keys, *args.api_key]
+    return _config_from_args(args, overrides)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from common.log import setup_logging
     from connector import redact_url
@@ -56,27 +87,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             "holds a password, which would show in the process list: give the URL without it "
             "and the password in EPD_CONNECTOR_PASSWORD or connector.password_file",
         )
-    from proxy.auth import read_keys_file
-
-    keys = list(args.api_key)
-    if args.api_key_file:
-        keys += [k for k, _ in read_keys_file(args.api_key_file)]
-    overrides = {
-        "model.path": args.model,
-        "proxy.grpc_port": args.grpc_port,
-        "proxy.http_port": args.http_port,
-        "proxy.tls_cert": args.tls_cert,
-        "proxy.tls_key": args.tls_key,
-        "connector.url": args.redis_url,
-        "connector.mode": "cluster" if args.redis_cluster else None,
-    }
-    config = _config_from_args(args, overrides)
-    if keys:  # to the children through their environment (secret_env), not their argv
-        config = load_config(
-            args.config,
-            {**{k: v for k, v in overrides.items() if v is not None},
-             "proxy.api_keys": [*config.proxy.api_keys, *keys]},
-        )  # fmt: skip
+    config = up_config(args)
     setup_logging("epd-up", config.log_level)
     try:
         cluster = LocalCluster(

@@ -18,6 +18,7 @@ import uuid
 import grpc
 import numpy as np
 
+from common.cluster_auth import required_token
 from common.config import ClusterConfig, parse_address
 from common.media import MODALITY_NAMES
 from common.served_model import resolve_model
@@ -362,7 +363,8 @@ async def serve(config: ClusterConfig, name: str) -> int:
         epd_pb2_grpc.add_LanguageModelServicer_to_server,
     )
     credentials = cluster_server_credentials(config.cluster.tls)
-    server = servicer.role = RoleServer(name, config.lm.listen, [service], credentials)
+    token = required_token(config.cluster)  # only the proxy may call (cluster_auth)
+    server = servicer.role = RoleServer(name, config.lm.listen, [service], credentials, token)
     options = config.heartbeat_options("lm")
     heartbeat = Heartbeat(**options) if options else None
     return await run_worker(config.lm, server, servicer.load, servicer.close, heartbeat)

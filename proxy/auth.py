@@ -11,10 +11,12 @@ APIs are open and every caller is the anonymous principal.
            server selects the `realtime` subprotocol, never the key's)
     gRPC   metadata  authorization: Bearer KEY                   -> UNAUTHENTICATED otherwise
 
-/health is always open; /metrics and /dashboard are open only when proxy.metrics_public /
-proxy.dashboard_public say so. A presented key is compared with every configured key in
-constant time (hmac.compare_digest over SHA-256 digests, all of them, whichever matches), so
-the time taken tells nothing about how much of a key was right.
+/health is always open, but says only healthy or not (its status code and {"status": ...})
+to a caller without a key: the workers' addresses and last errors need one. /metrics and
+/dashboard are open only when proxy.metrics_public / proxy.dashboard_public say so. A
+presented key is compared with every configured key in constant time (hmac.compare_digest
+over SHA-256 digests, all of them, whichever matches), so the time taken tells nothing about
+how much of a key was right.
 
 A key's principal carries its tenant (what scopes client-given media uuids, proxy/prepare.py)
 and a key id (the owner of the requests the key starts: only it may abort them).
@@ -151,8 +153,6 @@ def http_middleware(keys: KeyRing, proxy: ProxyConfig) -> Callable:
     the admitted request carries its Principal as request["principal"]."""
 
     def public(path: str) -> bool:
-        if path == "/health":
-            return True
         if path == "/metrics":
             return proxy.metrics_public
         if path == "/dashboard" or path.startswith("/dashboard/"):
@@ -165,6 +165,12 @@ def http_middleware(keys: KeyRing, proxy: ProxyConfig) -> Callable:
     ) -> web.StreamResponse:
         if public(request.path):
             request["principal"] = ANONYMOUS
+            return await handler(request)
+        if request.path == "/health":  # open; its detail (workers, errors) needs the key
+            try:
+                request["principal"] = keys.from_authorization(request.headers.get("Authorization"))
+            except Unauthenticated:
+                request["principal"] = None
             return await handler(request)
         try:
             header = request.headers.get("Authorization")

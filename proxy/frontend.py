@@ -60,6 +60,7 @@ class _Running:
     """A request in the frontend: its LM call now (its own id, the worker), and whether a
     client aborted it."""
 
+    owner: str  # who may abort it (PreparedRequest.owner)
     call: tuple[str, Worker] | None = None
     aborted: bool = False
 
@@ -101,9 +102,12 @@ class Frontend:
         # LM call gets a unique id, so every one of them stays abortable.
         self.running: dict[str, list[_Running]] = {}
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a running request; its stream ends with FINISH_REASON_ABORT."""
-        requests = list(self.running.get(request_id, ()))
+    async def abort(self, request_id: str, owner: str) -> bool:
+        """Abort `owner`'s running requests of that id (another caller's of the same id run
+        on); their streams end with FINISH_REASON_ABORT. False: `owner` runs none."""
+        if not owner:  # "" owns nothing abortable (HTTP requests)
+            return False
+        requests = [r for r in self.running.get(request_id, ()) if r.owner == owner]
         for running in requests:
             running.aborted = True  # a request between two LM calls (migrating) stops too
             if running.call is not None:
@@ -207,7 +211,7 @@ class Frontend:
         the client's stream goes on with no token repeated or skipped: greedy and seeded
         requests continue token-identically, and a stop string spanning the cut still stops
         it."""
-        running = _Running()
+        running = _Running(req.owner)
         self.running.setdefault(req.request_id, []).append(running)
         try:
             async for chunk in self._attempts(req, deadline, encode_watch, running):

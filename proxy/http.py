@@ -12,7 +12,8 @@
                                 family's and carries no language)
     GET  /v1/models             the served model
     GET  /health                per role: healthy / degraded / unavailable (503 when nothing
-                                can serve)
+                                can serve); with keys on, a caller without one gets only
+                                {"status": ...}
     GET  /metrics               Prometheus
     GET  /dashboard             the health dashboard; GET /dashboard/state, its data as JSON
                                 (proxy/dashboard.py)
@@ -142,8 +143,11 @@ class HttpApi:
     # -- routes -------------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
+        # principal None: keys are on and none (or a wrong one) came: healthy or not, no more.
+        detailed = request.get("principal", ANONYMOUS) is not None
         if not self.serving:
-            return web.json_response({"status": "unavailable", "proxy": "not serving"}, status=503)
+            body = {"status": "unavailable", "proxy": "not serving"}
+            return web.json_response(body if detailed else {"status": "unavailable"}, status=503)
         roles = {}
         for pool in (self.proxy.encoders, self.proxy.lms):
             roles[pool.role] = {
@@ -161,6 +165,8 @@ class HttpApi:
             }
         overall = overall_status(self.proxy.lms, self.proxy.encoders)
         body = {"status": overall, "proxy": "serving", "roles": roles}
+        if not detailed:
+            body = {"status": overall}
         return web.json_response(body, status=503 if overall == "unavailable" else 200)
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +55,11 @@ class PreparedItem:
     length: int = 0  # placeholder tokens
 
 
+def new_request_id() -> str:
+    """An id the proxy assigns: 128 random bits, so no one guesses another caller's."""
+    return f"req-{secrets.token_hex(16)}"
+
+
 @dataclass
 class PreparedRequest:
     request_id: str
@@ -64,6 +69,9 @@ class PreparedRequest:
     return_prompt_token_ids: bool = False
     preprocess_seconds: float = 0.0
     arrival: float = field(default_factory=time.monotonic)
+    # Who may abort it (proxy/server.py): a key, or the connection that started it; "" for
+    # HTTP requests, which no Abort names (their client ends one by going away).
+    owner: str = ""
 
     def item(self, mm_hash: str) -> PreparedItem:
         return next(i for i in self.items if i.mm_hash == mm_hash)
@@ -147,7 +155,7 @@ class RequestBuilder:
         if self.family.prompt_from_media:
             ids, items = self._media_prompt(prompt, media)
             return PreparedRequest(
-                request_id=request_id or f"req-{uuid.uuid4().hex[:20]}",
+                request_id=request_id or new_request_id(),
                 prompt_token_ids=ids,
                 items=items,
                 sampling=sampling,
@@ -177,7 +185,7 @@ class RequestBuilder:
             items.append(PreparedItem(mm_hash(self.served.fingerprint, item, tenant), item, grid))
         ids = self._expand(ids, items)
         return PreparedRequest(
-            request_id=request_id or f"req-{uuid.uuid4().hex[:20]}",
+            request_id=request_id or new_request_id(),
             prompt_token_ids=ids,
             items=items,
             sampling=sampling,

@@ -48,8 +48,14 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
         self.proxy: Proxy | None = None  # set once loaded; RPCs before SERVING are refused
         self.role: RoleServer | None = None
         self.keys = keys or KeyRing([])
-        # request id -> the key that started it: only that key may abort it.
-        self.owners: dict[str, Principal] = {}
+
+    def owner(self, principal: Principal, context: grpc.aio.ServicerContext) -> str:
+        """Who may abort the requests this call starts, and whose this call may abort: with
+        keys, the key; without, the connection (a client's Abort goes over the channel its
+        Generate did). Another caller's id, guessed or collided, aborts nothing of theirs."""
+        if self.keys.enabled:
+            return f"key:{principal.key_id}"
+        return f"peer:{context.peer()}"
 
     async def Generate(self, request: epd_pb2.GenerateRequest, context):
         principal = await grpc_principal(self.keys, context)
@@ -83,7 +89,7 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
                     request.return_prompt_token_ids,
                     tenant=principal.tenant,
                 )
-                self.owners[prepared.request_id] = principal
+                prepared.owner = self.owner(principal, context)
                 first = True
                 async for chunk in proxy.run(prepared, context.time_remaining()):
                     msg = to_response(prepared.request_id, chunk)
@@ -110,8 +116,6 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
                 status = grpc.StatusCode.CANCELLED
                 raise
             finally:
-                if prepared is not None and self.owners.get(prepared.request_id) is principal:
-                    del self.owners[prepared.request_id]
                 proxy.metrics.requests.labels("grpc", status.name).inc()
 
     async def Realtime(self, request_iterator, context):
@@ -124,13 +128,11 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
     async def Abort(self, request: epd_pb2.AbortRequest, context) -> epd_pb2.AbortResponse:
         principal = await grpc_principal(self.keys, context)
         await refuse_malformed(request, context)
-        owner = self.owners.get(request.request_id)
-        if owner is None or owner.key_id != principal.key_id:
-            # Another key's request is answered as an unknown one: its id reveals nothing.
-            return epd_pb2.AbortResponse(aborted=False)
+        # Another caller's request is answered as an unknown one: its id reveals nothing.
+        owner = self.owner(principal, context)
         try:
             return epd_pb2.AbortResponse(
-                aborted=await self.proxy.frontend.abort(request.request_id)
+                aborted=await self.proxy.frontend.abort(request.request_id, owner)
             )
         except grpc.aio.AioRpcError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"LM worker: {e.details()}")
@@ -160,7 +162,7 @@ async def serve(config: ClusterConfig, name: str) -> int:
     p = config.proxy
     keys = KeyRing.from_config(p)
     if keys.enabled:
-        logger.info("API keys: %d configured; /health is open", len(keys))
+        logger.info("API keys: %d configured; /health is open (its detail needs one)", len(keys))
     elif p.host not in ("127.0.0.1", "::1", "localhost"):
         logger.warning(
             "no API keys are configured and the proxy listens on %s: anyone who can reach it "

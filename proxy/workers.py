@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -23,6 +24,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Gauge
 
+from common.cluster_auth import call_token
 from common.server import CHANNEL_OPTIONS
 from common.tls import cluster_aio_channel
 from connector.registry import live_workers
@@ -141,6 +143,11 @@ class WorkerPool:
         self._closing: set[asyncio.Task] = set()  # channels of removed workers, closing
         self.changed = asyncio.Event()  # set whenever a worker comes up
 
+    @functools.cached_property
+    def token(self) -> str | None:
+        """The cluster token every call to a worker carries: workers answer only the proxy."""
+        return call_token(self.config.cluster)
+
     # -- life cycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -161,7 +168,7 @@ class WorkerPool:
         await asyncio.gather(*self._tasks, *self._closing, return_exceptions=True)
 
     def _add(self, address: str, source: str) -> Worker:
-        channel = cluster_aio_channel(address, self.config.cluster.tls, CHANNEL_OPTIONS)
+        channel = cluster_aio_channel(address, self.config.cluster.tls, CHANNEL_OPTIONS, self.token)
         p = self.config.proxy
         worker = Worker(
             self.role,

@@ -9,11 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import grpc
 import yaml
 
+from common.cluster_auth import token_for
 from common.health import health_status
 from common.process import Child
 from common.signing import HashSigner
+from common.tls import cluster_channel
 
 # The cluster secret of every role a test starts (conftest puts it in the environment).
 TEST_CLUSTER_SECRET = "epd-test-cluster-secret-0123456789"
@@ -42,6 +45,12 @@ async def wait_until_async(
         assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
         await asyncio.sleep(every)
     return value
+
+
+def worker_channel(address: str, options: list = ()) -> grpc.Channel:
+    """A blocking channel straight to a worker a test started, carrying the cluster token the
+    proxy sends (common/cluster_auth.py): without it a worker answers only health checks."""
+    return cluster_channel(address, None, options, token=token_for(TEST_CLUSTER_SECRET.encode()))
 
 
 def sign(mm_hash: str) -> bytes:

@@ -28,6 +28,7 @@ from connector import wire
 from proto import epd_pb2, epd_pb2_grpc
 from proxy.validate import json_shape
 from tests.cluster_helpers import Cluster, image_bytes
+from tests.helpers import worker_channel
 
 CONTEXT = 512
 MAX_ITEMS = 4
@@ -522,7 +523,7 @@ def test_an_abandoned_non_streaming_http_request_is_aborted(cluster):
     conn = http.client.HTTPConnection("127.0.0.1", cluster.proxy_http, timeout=60)
     body = with_(max_tokens=CONTEXT - 64, ignore_eos=True, temperature=0.0)
     conn.request("POST", "/v1/chat/completions", json.dumps(body).encode())
-    with grpc.insecure_channel(cluster.lm_address) as channel:
+    with worker_channel(cluster.lm_address) as channel:
         stub = epd_pb2_grpc.LanguageModelStub(channel)
 
         def running() -> int:

@@ -34,7 +34,7 @@ from tests.encoder_helpers import (
     reference_embeddings,
     video_item,
 )
-from tests.helpers import sign
+from tests.helpers import sign, worker_channel
 
 # What the Qwen2-VL family answers for an audio item.
 NO_AUDIO = "audio items: this model takes images and video"
@@ -75,7 +75,7 @@ def encoder(tmp_path, checkpoint, redis_server, start_role):
         )
         role = start_role("encoder", config)
         role.wait_status("SERVING")
-        channel = grpc.insecure_channel(role.address)
+        channel = worker_channel(role.address)
         channels.append(channel)
         fingerprint = load_family(checkpoint).fingerprint(torch.float32)
         connector = ECConnector(redis_server.url, fingerprint, registry=None)

@@ -16,7 +16,7 @@ from common.process import Child, epd_command, free_port, port_is_free
 from common.served_model import resolve_model
 from connector import ECConnector, EmbeddedRedis
 from proto import epd_pb2, epd_pb2_grpc
-from tests.helpers import RoleProcess, write_config
+from tests.helpers import RoleProcess, worker_channel, write_config
 from tests.lm_helpers import case, case_parts, png
 
 
@@ -46,7 +46,7 @@ def lm(tmp_path_factory, tiny_checkpoint):
             fingerprint = resolve_model(load_config(path)).fingerprint
             publisher = ECConnector(redis_server.url, fingerprint, registry=None)
             role.metrics_port = metrics_port
-            with grpc.insecure_channel(role.address) as channel:
+            with worker_channel(role.address) as channel:
                 yield epd_pb2_grpc.LanguageModelStub(channel), publisher, role
             publisher.close()
         finally:

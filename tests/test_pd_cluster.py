@@ -22,7 +22,7 @@ from models.testing import ImageItem
 from proto import epd_pb2, epd_pb2_grpc
 from proxy.prepare import ChatMessage, Part, RequestBuilder
 from tests.cluster_helpers import Cluster, image_bytes
-from tests.helpers import wait_until
+from tests.helpers import wait_until, worker_channel
 
 MAX_TOKENS = 12
 ROLES = ("prefill", "decode", "decode")
@@ -124,7 +124,7 @@ def polled_loads(cluster: Cluster, count: int = 3, timeout: float = 30) -> dict[
 
 def own_load(address: str) -> epd_pb2.LMLoad:
     """An LM worker's load, asked of it directly."""
-    with grpc.insecure_channel(address) as channel:
+    with worker_channel(address) as channel:
         stub = epd_pb2_grpc.LanguageModelStub(channel)
         return stub.GetLoad(epd_pb2.GetLoadRequest(), timeout=5)
 
@@ -217,7 +217,7 @@ def test_a_decode_worker_missing_the_media_blocks_fetches_the_embeddings(cluster
     msg.rope_delta = 10_000  # wrong: used, it would change the tokens
     decode = cluster.lm_addresses[1]
     before = ec_fetches(kv_loads_now(cluster)["decode-1"])
-    with grpc.insecure_channel(decode) as channel:
+    with worker_channel(decode) as channel:
         stub = epd_pb2_grpc.LanguageModelStub(channel)
         tokens = [t for r in stub.Generate(msg, timeout=60) for t in r.token_ids]
     content = [{"type": "text", "text": "First this text, then"}, {"type": "image"}]

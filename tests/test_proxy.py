@@ -23,7 +23,7 @@ from proto import epd_pb2, epd_pb2_grpc
 from proxy.prepare import mm_hash
 from tests.cluster_helpers import Cluster, http_json, image_bytes
 from tests.encoder_helpers import image_item
-from tests.helpers import RoleProcess, wait_until
+from tests.helpers import RoleProcess, wait_until, worker_channel
 from tests.model_helpers import make_audio_only, make_video
 
 MAX_TOKENS = 16
@@ -173,7 +173,7 @@ def test_redis_flushed_between_encode_and_gather(cluster, ref):
     # Published by an encoder directly, so no LM worker holds it in its local tier.
     fingerprint = resolve_model(load_config(cluster.config_path)).fingerprint
     item = image_item(mm_hash(fingerprint, MediaInput("image", image=image)), image)
-    with grpc.insecure_channel(cluster.encoder_addresses[0]) as channel:
+    with worker_channel(cluster.encoder_addresses[0]) as channel:
         reply = epd_pb2_grpc.EncoderStub(channel).Encode(epd_pb2.EncodeRequest(items=[item]))
     assert reply.results[0].outcome == epd_pb2.ENCODE_OUTCOME_STORED
     reencodes = cluster.metric("epd_reencodes_total")
@@ -271,7 +271,7 @@ def test_client_cancel_and_abort_reach_the_lm_worker(cluster):
     )
     next(stream)
     stream.cancel()
-    lm = grpc.insecure_channel(cluster.lm_address)
+    lm = worker_channel(cluster.lm_address)
     load_stub = epd_pb2_grpc.LanguageModelStub(lm)
     deadline = time.monotonic() + 10
     while (
@@ -334,7 +334,7 @@ def test_a_full_proxy_sheds_load_and_deadlines_reach_the_lm(cluster, tmp_path):
                 assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             finally:
                 lm_process.signal(signal.SIGCONT)
-        with grpc.insecure_channel(cluster.lm_address) as channel:
+        with worker_channel(cluster.lm_address) as channel:
             lm = epd_pb2_grpc.LanguageModelStub(channel)
             deadline = time.monotonic() + 10
             while (

@@ -29,6 +29,7 @@ from proto import epd_pb2, epd_pb2_grpc
 from proxy.pd import realtime_pick
 from proxy.workers import Breaker, Worker, WorkerPool
 from tests.cluster_helpers import Cluster
+from tests.helpers import worker_channel
 from tests.voxtral_helpers import encode, speech_like
 
 RATE = 16000
@@ -95,12 +96,12 @@ def chunks(pcm: bytes, size: int = CHUNK) -> list[bytes]:
 def leftovers(cluster) -> dict:
     """What realtime state is left anywhere: KV blocks, LM sessions and rows, encoder
     streams, Redis keys of session streams."""
-    with grpc.insecure_channel(cluster.lm_address) as channel:
+    with worker_channel(cluster.lm_address) as channel:
         lm = epd_pb2_grpc.LanguageModelStub(channel).GetLoad(epd_pb2.GetLoadRequest(), timeout=5)
     streams = 0
     for role in cluster.roles.values():
         if role.kind == "encoder" and role.child.proc.poll() is None:
-            with grpc.insecure_channel(role.address) as channel:
+            with worker_channel(role.address) as channel:
                 stub = epd_pb2_grpc.EncoderStub(channel)
                 streams += stub.GetLoad(epd_pb2.GetLoadRequest(), timeout=5).active_streams
     keys = redis.Redis.from_url(cluster.redis.url).keys("epd:rt:*")
@@ -475,7 +476,7 @@ def test_encoder_killed_mid_session_the_other_replays_the_audio(cluster, clips):
         for name, role in cluster.roles.items():
             if role.kind != "encoder":
                 continue
-            with grpc.insecure_channel(role.address) as channel:
+            with worker_channel(role.address) as channel:
                 load = epd_pb2_grpc.EncoderStub(channel).GetLoad(
                     epd_pb2.GetLoadRequest(), timeout=5
                 )
@@ -540,7 +541,7 @@ class HeldCall:
 
 
 def lm_load(address: str) -> epd_pb2.GetLoadResponse:
-    with grpc.insecure_channel(address) as channel:
+    with worker_channel(address) as channel:
         return epd_pb2_grpc.LanguageModelStub(channel).GetLoad(epd_pb2.GetLoadRequest(), timeout=5)
 
 
@@ -553,7 +554,7 @@ def wait_lm_sessions(address: str, count: int) -> None:
 
 def test_an_encoder_takes_at_most_its_max_streams(two_lms, clips):
     encoder = next(r.address for r in two_lms.roles.values() if r.kind == "encoder")
-    channel = grpc.insecure_channel(encoder)
+    channel = worker_channel(encoder)
     stub = epd_pb2_grpc.EncoderStub(channel)
 
     def start(session_id: str) -> epd_pb2.EncodeStreamRequest:
@@ -607,7 +608,7 @@ def test_an_lm_worker_takes_at_most_its_max_realtime_sessions(two_lms, clips, ch
         msg.mm_features.add(
             mm_hash=session_id, modality=epd_pb2.MODALITY_AUDIO, offset=0, length=len(prompt)
         )
-        channel = grpc.insecure_channel(address)
+        channel = worker_channel(address)
         return channel, epd_pb2_grpc.LanguageModelStub(channel).Generate(msg, timeout=60)
 
     held = [held_session(lm0, "held-lm-1")]
@@ -652,7 +653,7 @@ def test_lm_worker_killed_mid_session_another_continues_without_repeating(two_lm
         for name, role in two_lms.roles.items():
             if role.kind != "lm":
                 continue
-            with grpc.insecure_channel(role.address) as channel:
+            with worker_channel(role.address) as channel:
                 load = epd_pb2_grpc.LanguageModelStub(channel).GetLoad(
                     epd_pb2.GetLoadRequest(), timeout=5
                 )
@@ -745,7 +746,7 @@ def _lm_loads(cluster) -> dict[str, epd_pb2.LMLoad]:
     for name, role in cluster.roles.items():
         if role.kind != "lm" or role.child.proc.poll() is not None:
             continue
-        with grpc.insecure_channel(role.address) as channel:
+        with worker_channel(role.address) as channel:
             out[name] = epd_pb2_grpc.LanguageModelStub(channel).GetLoad(
                 epd_pb2.GetLoadRequest(), timeout=5
             )

@@ -14,7 +14,7 @@ from common.process import free_port, port_is_free
 from common.server import RoleServer, Service
 from connector import EmbeddedRedis
 from proto import epd_pb2, epd_pb2_grpc
-from tests.helpers import write_config
+from tests.helpers import worker_channel, write_config
 
 SERVICES = {"proxy": "Inference", "encoder": "Encoder", "lm": "LanguageModel"}
 
@@ -60,7 +60,7 @@ REALTIME_CALLS = {
 
 
 def list_services(address: str) -> set[str]:
-    with grpc.insecure_channel(address) as channel:
+    with worker_channel(address) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         (reply,) = list(stub.ServerReflectionInfo(iter([request]), timeout=5))
@@ -80,7 +80,7 @@ def test_role_health_reflection_and_sigterm(tmp_path, start_role, tiny_checkpoin
     role = start_role(kind, config)
     role.wait_status("NOT_SERVING")
 
-    with grpc.insecure_channel(role.address) as channel:
+    with worker_channel(role.address) as channel:
         watch = health_pb2_grpc.HealthStub(channel).Watch(
             health_pb2.HealthCheckRequest(service=f"epd.v1.{SERVICES[kind]}"), timeout=30
         )

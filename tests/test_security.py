@@ -108,7 +108,8 @@ class SecureCluster:
         ]
         self.tls = load_config(self.config_path).cluster.tls
         self._wait()
-        wait_proxy_sees_workers_serving(lambda: self.https("/health")[:2])
+        detail = {"Authorization": f"Bearer {KEY_A}"}  # /health's detail needs a key
+        wait_proxy_sees_workers_serving(lambda: self.https("/health", headers=detail)[:2])
         self.channel = self.client_channel()
         self.stub = epd_pb2_grpc.InferenceStub(self.channel)
 
@@ -235,7 +236,13 @@ def test_http_no_key_wrong_key_right_key(secure):
 
 
 def test_health_open_metrics_and_dashboard_behind_the_key(secure):
-    assert secure.https("/health")[0] == 200
+    # Open, but without a key only healthy or not: no worker addresses, no last errors.
+    for headers in (None, {"Authorization": "Bearer not-a-key"}):
+        status, body, _ = secure.https("/health", headers=headers)
+        assert (status, body) == (200, {"status": "healthy"}), headers
+    status, body, _ = secure.https("/health", headers={"Authorization": f"Bearer {KEY_C}"})
+    assert status == 200 and body["status"] == "healthy"
+    assert [w["address"] for w in body["roles"]["lm"]["workers"]] == [secure.lm]
     assert secure.https("/metrics")[0] == 401
     assert secure.https("/metrics", headers={"Authorization": f"Bearer {KEY_B}"})[0] == 200
     status, _, headers = secure.https("/dashboard")
@@ -452,12 +459,53 @@ def test_abort_only_by_the_key_that_started_it(secure):
         "32 more responses after the other tenants' abort attempts",
     )
     assert reader.is_alive() and epd_pb2.FINISH_REASON_ABORT not in finish
+    # Another key starts a request under the same id and aborts it: only its own one ends.
+    collider = secure.stub.Generate(request, timeout=120, metadata=bearer(KEY_B))
+    assert next(collider).token_ids
+    assert secure.stub.Abort(abort, timeout=10, metadata=bearer(KEY_B)).aborted
+    theirs = [r.finish_reason for r in collider]
+    assert theirs[-1] == epd_pb2.FINISH_REASON_ABORT
+    attempted = len(finish)
+    wait_until(
+        lambda: len(finish) >= attempted + 32 or not reader.is_alive(),
+        "32 more responses after the other key aborted its own request of the same id",
+    )
+    assert reader.is_alive() and epd_pb2.FINISH_REASON_ABORT not in finish
     assert secure.stub.Abort(abort, timeout=10, metadata=bearer(KEY_A)).aborted
     reader.join(60)
     assert finish[-1] == epd_pb2.FINISH_REASON_ABORT
 
 
 # -- secrets: never in argv, files or `epd config` ---------------------------------------------
+
+
+def test_epd_up_keeps_the_tenants_of_its_keys_file(tmp_path, monkeypatch):
+    """`epd up --api-key-file F`: the keys F puts in one tenant share it at the proxy (`epd up`
+    once passed on the keys alone, each then a tenant of its own); `--api-key` keys count too.
+    What the proxy gets is read as it reads it: the file the launcher writes, and the
+    environment it is given."""
+    import epd.launcher
+    from common.config import secret_env
+    from epd.cli import main
+
+    seen: list[ClusterConfig] = []
+
+    def capture(config, **_):
+        seen.append(config)
+        raise epd.launcher.LaunchError("captured")
+
+    monkeypatch.setattr(epd.launcher, "LocalCluster", capture)
+    monkeypatch.delenv("EPD_PROXY_API_KEYS", raising=False)
+    (tmp_path / "keys").write_text("key-one-0006 team\nkey-two-0007 team\nkey-three-0008\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["up", "--api-key-file", "keys", "--api-key", "argv-key-0009"]) == 2
+    dump_config(seen[0], tmp_path / "cluster.yaml")
+    monkeypatch.chdir("/")  # the proxy runs elsewhere
+    proxy = load_config(tmp_path / "cluster.yaml", environ=secret_env(seen[0])).proxy
+    keys = KeyRing.from_config(proxy)
+    assert keys.check("key-one-0006").tenant == keys.check("key-two-0007").tenant == "team"
+    assert keys.check("key-three-0008").tenant not in ("team", keys.check("argv-key-0009").tenant)
+    assert "key-one" not in (tmp_path / "cluster.yaml").read_text()  # the file names the file
 
 
 def test_secrets_redacted_in_epd_config_and_left_out_of_dumped_files(tmp_path):

@@ -46,10 +46,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from common.cluster_auth import call_token
 from common.config import LMConfig, load_config
 from common.process import free_port
 from common.served_model import ensure_bench_model
 from common.server import GRPC_OPTIONS
+from common.tls import cluster_channel
 from connector.embedded import EmbeddedRedis
 from connector.kv import KVStore, encode_block, peek_key
 from connector.kv_stream import KVInbox, KVReceiver, KVSender
@@ -167,8 +169,9 @@ def _pct(values: list[float]) -> dict[str, float | None]:
 
 def _lm_loads(cluster: LocalCluster) -> list[epd_pb2.LMLoad]:
     loads = []
+    c = cluster.config.cluster  # the proxy's cluster token: workers answer only it
     for role in cluster.lm_workers:
-        with grpc.insecure_channel(role.address) as channel:
+        with cluster_channel(role.address, c.tls, token=call_token(c)) as channel:
             stub = epd_pb2_grpc.LanguageModelStub(channel)
             loads.append(stub.GetLoad(epd_pb2.GetLoadRequest(), timeout=10))
     return loads

@@ -26,9 +26,11 @@ import time
 import grpc
 from PIL import Image
 
+from common.cluster_auth import call_token
 from common.config import load_config
 from common.process import free_port
 from common.server import GRPC_OPTIONS
+from common.tls import cluster_channel
 from epd.launcher import LocalCluster
 from proto import epd_pb2, epd_pb2_grpc
 
@@ -97,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         with (
             grpc.insecure_channel(cluster.proxy.address, options=GRPC_OPTIONS) as proxy_channel,
             grpc.insecure_channel(baseline.proxy.address, options=GRPC_OPTIONS) as serial_channel,
-            grpc.insecure_channel(cluster.lm_workers[0].address) as lm_channel,
+            _lm_channel(cluster) as lm_channel,
         ):
             proxy = epd_pb2_grpc.InferenceStub(proxy_channel)
             lm = epd_pb2_grpc.LanguageModelStub(lm_channel)
@@ -108,6 +110,12 @@ def run(args: argparse.Namespace) -> int:
         cluster.stop()
     print(json.dumps(summary))
     return 0
+
+
+def _lm_channel(cluster: LocalCluster) -> grpc.Channel:
+    """A channel straight to the first LM worker, carrying the cluster token as the proxy does."""
+    c = cluster.config.cluster
+    return cluster_channel(cluster.lm_workers[0].address, c.tls, token=call_token(c))
 
 
 _VOCABULARY = (
