@@ -336,13 +336,17 @@ def test_a_full_proxy_sheds_load_and_deadlines_reach_the_lm(cluster, tmp_path):
                 lm_process.signal(signal.SIGCONT)
         with worker_channel(cluster.lm_address) as channel:
             lm = epd_pb2_grpc.LanguageModelStub(channel)
+            # Just resumed, the worker may not have read the cancelled call yet (it may even
+            # admit it before it reads the cancel): idle for a whole second means it dropped it.
             deadline = time.monotonic() + 10
-            while (
-                lm.GetLoad(epd_pb2.GetLoadRequest()).running_requests
-                and time.monotonic() < deadline
-            ):
+            idle_since = None
+            while idle_since is None or time.monotonic() - idle_since < 1.0:
+                assert time.monotonic() < deadline, "the LM worker still runs the request"
+                if lm.GetLoad(epd_pb2.GetLoadRequest()).running_requests:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = time.monotonic()
                 time.sleep(0.05)
-            assert lm.GetLoad(epd_pb2.GetLoadRequest()).running_requests == 0
     finally:
         proxy.child.stop(20)
 
