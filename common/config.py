@@ -188,7 +188,8 @@ class ConnectorConfig:
     # A Redis that does not answer within it fails the requests that need it (UNAVAILABLE /
     # HTTP 503 naming the store) and is marked not answering: then such requests fail at once,
     # and it is PINGed every probe_interval_seconds until it answers. A restart shorter than
-    # the deadline is ridden out by the retries.
+    # the deadline is ridden out by the retries. In cluster mode the deadline is at least
+    # op_timeout_seconds x (retries + 1), so a master's failover is waited out.
     request_deadline_seconds: float = 3.0
     probe_interval_seconds: float = 0.5
     # The LM worker's in-process hot tier in front of Redis (0: off).

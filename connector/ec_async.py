@@ -75,7 +75,10 @@ class AsyncECConnector:
         self.client = async_client(url, self.sync.op_timeout, self.sync.retries, self.sync.mode)
         self.metrics = self.sync.metrics
         self.local = self.sync.local
-        self.deadline = self.sync.deadline
+        # NOTE: in cluster mode a lost master is a failover, not a hung store: each operation
+        # may wait it out (ECConnector.put's patience), or a failover would fail requests.
+        failover = self.sync.op_timeout * (self.sync.retries + 1) if self.sync.cluster else 0.0
+        self.deadline = max(self.sync.deadline, failover)
         self.probe_interval = self.sync.probe_interval
         self.health = StoreHealth(redact_url(url), self.deadline)
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ec-io")
@@ -96,10 +99,8 @@ class AsyncECConnector:
         self.sync.close()
 
     async def put(self, mm_hash: str, tensor: torch.Tensor) -> PutResult:
-        # Cluster mode: a put waits for a failover (ECConnector.put) longer than the deadline.
-        patience = self.sync.op_timeout * (self.sync.retries + 1) if self.sync.cluster else 0.0
         attempt = partial(self._in_thread, self.sync.put, mm_hash, tensor)
-        return await self._run("put", attempt, max(self.deadline, patience))
+        return await self._run("put", attempt)
 
     async def get_many(self, hashes: Sequence[str]) -> tuple[dict[str, torch.Tensor], list[str]]:
         """The local tier first: what it holds is served even while the store is not answering."""
