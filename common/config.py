@@ -277,6 +277,13 @@ class ConnectorConfig:
             "op_timeout": self.op_timeout_seconds,
             "retries": self.retries,
             "mode": self.mode,
+        }
+
+    def store_options(self, local_tier: bool = False) -> dict[str, Any]:
+        """The asyncio EC connector's keywords (connector/ec_async.py): `connector_options`
+        and its request-path deadline and probing."""
+        return {
+            **self.connector_options(local_tier),
             "deadline": self.request_deadline_seconds,
             "probe_interval": self.probe_interval_seconds,
         }

@@ -107,8 +107,6 @@ class ECConnector:
         op_timeout: float = 5.0,
         retries: int = 3,
         mode: Mode = "standalone",
-        deadline: float = 3.0,
-        probe_interval: float = 0.5,
     ):
         if not _HASH_RE.match(fingerprint):
             raise ValueError(f"model fingerprint {fingerprint!r} is not a short token")
@@ -120,11 +118,6 @@ class ECConnector:
         self.ttl_seconds = ttl_seconds
         self.op_timeout = op_timeout
         self.retries = retries
-        # The asyncio flavour's budget for one operation, retries included, and its probing of
-        # a store marked not answering (connector/ec_async.py). Blocking callers (tools, tests)
-        # wait as long as the retries take.
-        self.deadline = deadline
-        self.probe_interval = probe_interval
         self.mode = mode
         self.cluster = mode == "cluster"
         self.prefix = f"{namespace}:ec:{fingerprint}:"

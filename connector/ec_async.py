@@ -70,7 +70,15 @@ class AsyncECConnector:
     operation may take, retries included; `probe_interval`: seconds between PINGs of a store
     marked not answering."""
 
-    def __init__(self, url: str, fingerprint: str, **kwargs: Any):
+    def __init__(
+        self,
+        url: str,
+        fingerprint: str,
+        *,
+        deadline: float = 3.0,
+        probe_interval: float = 0.5,
+        **kwargs: Any,
+    ):
         self.sync = ECConnector(url, fingerprint, **kwargs)
         self.client = async_client(url, self.sync.op_timeout, self.sync.retries, self.sync.mode)
         self.metrics = self.sync.metrics
@@ -78,8 +86,8 @@ class AsyncECConnector:
         # NOTE: in cluster mode a lost master is a failover, not a hung store: each operation
         # may wait it out (ECConnector.put's patience), or a failover would fail requests.
         failover = self.sync.op_timeout * (self.sync.retries + 1) if self.sync.cluster else 0.0
-        self.deadline = max(self.sync.deadline, failover)
-        self.probe_interval = self.sync.probe_interval
+        self.deadline = max(deadline, failover)
+        self.probe_interval = probe_interval
         self.health = StoreHealth(redact_url(url), self.deadline)
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ec-io")
         self._probe: asyncio.Task | None = None
@@ -207,15 +215,13 @@ class AsyncECConnector:
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, partial(fn, *args))
 
-    async def _run(
-        self, op: str, attempt: Callable[[], Awaitable[T]], deadline: float | None = None
-    ) -> T:
-        """`attempt()` under the deadline (`deadline`, else the connector's): retried (jittered
-        backoff) while Redis cannot be reached; StoreUnavailable when the deadline passes
-        first, or at once when the store is known not to be answering."""
+    async def _run(self, op: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """`attempt()` under the connector's deadline: retried (jittered backoff) while Redis
+        cannot be reached; StoreUnavailable when the deadline passes first, or at once when
+        the store is known not to be answering."""
         self.health.check(op)
         started = time.monotonic()
-        deadline = deadline or self.deadline
+        deadline = self.deadline
         delay, last = 0.05, f"no reply within {deadline:g}s"
         timeout = asyncio.timeout(deadline)
         try:

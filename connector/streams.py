@@ -62,13 +62,7 @@ class SessionStreams:
         op_timeout: float = 5.0,
         retries: int = 3,
         mode: Mode = "standalone",
-        deadline: float | None = None,
-        probe_interval: float | None = None,
     ):
-        # NOTE: `deadline` and `probe_interval` come with the connector's shared options
-        # (ConnectorConfig.connector_options); session streams do not use them yet: their
-        # commands are bounded by op_timeout and the retries.
-        del deadline, probe_interval
         self.namespace = namespace
         self.ttl_seconds = ttl_seconds
         self.client = async_client(url, op_timeout, retries, mode)

@@ -118,7 +118,7 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         self.connector = AsyncECConnector(
             fingerprint=served.fingerprint,
             registry=self.registry,
-            **c.connector.connector_options(),
+            **c.connector.store_options(),
         )
         metrics = EncoderMetrics(self.registry)
         encoder = MMEncoder(self.tower, self.connector, c.encoder, metrics)

@@ -78,7 +78,10 @@ class Supervision:
     backoffs: int = 0  # deaths past the budget since it last served a window unbroken
     due: float | None = None  # when the pending restart runs
     code: int | None = None  # its last exit code
-    reason: str = ""
+
+    @property
+    def reason(self) -> str:
+        return "" if self.code is None else f"exit code {self.code}"
 
     def died(self, now: float, code: int, budget: int) -> float:
         """Schedule the restart; its delay in seconds. 0.5 s doubling to 8 s while its deaths
@@ -89,7 +92,7 @@ class Supervision:
         if not self.serving:
             self.unserved += 1
         self.serving = False
-        self.code, self.reason = code, f"exit code {code}"
+        self.code = code
         if self.backoffs or len(self.deaths) > budget:
             self.backoffs += 1
             delay = min(BACKOFF_MAX * 2**self.backoffs, BACKOFF_LONG)
@@ -493,7 +496,7 @@ class LocalCluster:
         sup.reached_serving()
         print("the embedded Redis server restarted (empty)", file=sys.stderr, flush=True)
         for s in self._supervisions():  # the restart record was in it
-            if s.reason:
+            if s.code is not None:  # it has died before: it has a record
                 self._record(s, now)
 
     def _record(self, sup: Supervision, now: float) -> None:

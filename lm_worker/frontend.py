@@ -280,9 +280,7 @@ class LMFrontend:
         its stream; a decode stage whose media KV is all in the tier fetches none)."""
         session = request.realtime_session
         media = any(f.mm_hash != session for f in request.mm_features)
-        covered = await asyncio.to_thread(
-            self.kv.prefetch, request, handover.kv_handover, handover.kv_target
-        )
+        covered = await self.kv.prefetch_async(request, handover.kv_handover, handover.kv_target)
         if media and session is None and covered >= request.embeds_end:
             media = not self._media_from_kv(request, handover.rope_delta)
         return media

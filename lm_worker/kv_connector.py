@@ -50,6 +50,7 @@ deleted and counted, and the run stops there: those tokens are recomputed, never
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import hashlib
 import logging
@@ -106,6 +107,13 @@ class KVConnector:
 
     def prefetch(self, request: Request, handover: bool = False, target: str = "") -> int:
         return 0
+
+    async def prefetch_async(
+        self, request: Request, handover: bool = False, target: str = ""
+    ) -> int:
+        """`prefetch` from the servicer's event loop: in place where it does no I/O (this
+        no-op); a backend that does I/O runs it on a worker thread."""
+        return self.prefetch(request, handover, target)
 
     def pending_saves(self, request_id: str) -> list[concurrent.futures.Future]:
         return []
@@ -244,6 +252,11 @@ class SharedKVConnector(KVConnector):
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-save")
 
     # -- servicer side ------------------------------------------------------------------------
+
+    async def prefetch_async(
+        self, request: Request, handover: bool = False, target: str = ""
+    ) -> int:
+        return await asyncio.to_thread(self.prefetch, request, handover, target)
 
     def prefetch(self, request: Request, handover: bool = False, target: str = "") -> int:
         """Fetch the leading run of the request's blocks the tier holds (blocking: call it from

@@ -221,7 +221,7 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
         )
         self.engine.start()
         self.connector = AsyncECConnector(
-            fingerprint=served.fingerprint, **c.connector.connector_options(local_tier=True)
+            fingerprint=served.fingerprint, **c.connector.store_options(local_tier=True)
         )
         options = c.connector.connector_options()
         options.pop("local_tier_bytes")

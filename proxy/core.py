@@ -64,7 +64,7 @@ class Proxy:
         )
         c = config
         self.connector = AsyncECConnector(
-            fingerprint=served.fingerprint, **c.connector.connector_options()
+            fingerprint=served.fingerprint, **c.connector.store_options()
         )
         self.redis = async_client(c.connector.redis_url, mode=c.connector.mode)
         gauges = {"up_gauge": metrics.worker_up, "circuit_gauge": metrics.worker_circuit_open}

@@ -51,9 +51,7 @@ def cluster(monkeypatch):
         monkeypatch.setattr(c, "_spawn", lambda role: setattr(role, "child", FakeChild()))
         monkeypatch.setattr(c, "_status", lambda role: c.health.get(role.name, "SERVING"))
 
-        monkeypatch.setattr(
-            c, "_write_record", lambda name, value: c.records.update({name: value}), raising=False
-        )
+        monkeypatch.setattr(c, "_write_record", lambda name, value: c.records.update({name: value}))
         for role in c.roles:
             role.child = FakeChild()
             role.supervision.serving = True
@@ -83,7 +81,7 @@ def test_one_role_dying_past_its_budget_leaves_the_cluster_running(cluster, monk
     1 at the sixth death and `epd up` stopped everything)."""
     monkeypatch.setattr(launcher, "BACKOFF_FIRST", 0.001)
     monkeypatch.setattr(launcher, "BACKOFF_MAX", 0.002)
-    monkeypatch.setattr(launcher, "BACKOFF_LONG", 0.01, raising=False)
+    monkeypatch.setattr(launcher, "BACKOFF_LONG", 0.01)
     c = cluster()
     healthy = {r.name: r.child for r in c.roles if r.name != "lm-1"}
     result: list[int] = []
