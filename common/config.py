@@ -509,6 +509,15 @@ class LMConfig:
     # than the torch modules at start-up), on (up to 8 sequences; an error where it cannot
     # run), off.
     cpu_fused_decode: Literal["auto", "on", "off"] = "auto"
+    # Batch-invariant decoding: a request's logits do not depend on what else is in its batch,
+    # how its prompt was chunked or which request cached its prefix, so a greedy or seeded
+    # request gives the same tokens alone, in any batch, after a preemption or a migration
+    # (lm_worker/cpu_decode.py's InvariantForward: every step through our C layers, each
+    # token's sums its own; cpu_linear and cpu_fused_decode are then not used). CPU only for
+    # now, Qwen2-VL / Qwen2.5-VL decoders; costs batch throughput (`epd bench lm
+    # --batch-invariant`). Off: the batch kernels, and a request's tokens may depend on its
+    # batch (README, "Sampling").
+    batch_invariant: bool = False
     # CPU: the LM's weights and KV cache on 2 MiB pages (Linux transparent huge pages, asked
     # for with madvise; lm_worker/huge_pages.py): a decode step's stream of weights reads
     # faster with fewer TLB misses. The weights are copied once at start-up out of the

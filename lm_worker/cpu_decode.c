@@ -13,6 +13,7 @@ faster than torch's kernels; OpenMP here is the runtime torch already loaded, so
 are torch's threads. */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -163,7 +164,11 @@ weight row once for all the step's sequences (`dot_rows`): two sequences cost ab
 does, where torch's batch kernels read a few rows at half the rate or less. The operations and
 their order are torch's (lm_worker/attention.py, models/layers.py), so the results agree to
 the rounding of sums taken in another order. In bf16 (weights, KV cache, input and output)
-the arithmetic is fp32, each value rounded to bf16 where torch's would be a bf16 tensor. */
+the arithmetic is fp32, each value rounded to bf16 where torch's would be a bf16 tensor.
+
+The same layers serve the batch-invariant forward (`epd_forward_tokens`, lm.batch_invariant):
+any number of tokens, prefill and decode alike, each token's products the one-row product's
+sums, so that nothing a token gets depends on the other tokens of its step. */
 
 #define MAX_SEQS 8
 
@@ -213,6 +218,28 @@ static void products_for(int S, const void *w, const float *x, const void *b, fl
     }
 }
 
+/* y[s] = W x[s] (+ b) for any number S of rows, each value the one-row product's sum
+   (`products`) bit for bit: what a row gets does not depend on how many others come with it
+   (the batch-invariant forward). The rows go in tiles, so a tile's inputs stay in cache while
+   the weights stream past them once a tile. */
+#define EACH_TILE 16
+static void products_each(long S, const void *w, const float *x, const void *b, float *y, long n,
+                          long k, int bf16, int threads) {
+    size_t row = k * (bf16 ? 2 : 4);
+    for (long s0 = 0; s0 < S; s0 += EACH_TILE) {
+        long s1 = s0 + EACH_TILE < S ? s0 + EACH_TILE : S;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (long r = 0; r < n; r++) {
+            const void *wr = (const char *)w + r * row;
+            float bias = b ? weight(b, r, bf16) : 0.0f;
+            if (bf16)
+                for (long s = s0; s < s1; s++) y[s * n + r] = dot(wr, x + s * k, k, 1, 0) + bias;
+            else
+                for (long s = s0; s < s1; s++) y[s * n + r] = dot(wr, x + s * k, k, 0, 0) + bias;
+        }
+    }
+}
+
 struct epd_layer { /* one layer's tensors, contiguous, fp32 or (the decoder's bf16) bf16 */
     const void *norm1;        /* [hidden] */
     const void *qkv_w;        /* [(heads + 2 kv_heads) head_dim, hidden]: q, k, v stacked */
@@ -240,9 +267,11 @@ struct epd_decoder {
     long vocab;
 };
 
-/* The step's sequences: S of them, sequence s with block table tables[s * table_stride ..]
-   (max_blocks wide), lens[s] tokens, its new one included, and that token's position on axis
-   a at positions[a * position_stride + s]. */
+/* The step's tokens: S of them; token s belongs to the sequence whose block table is row
+   rows[s] of `tables` (NULL rows: row s; table_stride apart, max_blocks wide), sees lens[s]
+   keys (itself the last: it is written at key lens[s] - 1), and has its position on axis a at
+   positions[a * position_stride + s]. A decode step has one token a sequence; the
+   batch-invariant forward also takes prefill tokens, several a sequence. */
 struct epd_seqs {
     long S;
     const int64_t *tables;
@@ -250,10 +279,13 @@ struct epd_seqs {
     const int64_t *lens;
     const int64_t *positions;
     long position_stride;
+    const int64_t *rows;
 };
 
-static inline long slot_of(const struct epd_seqs *q, long s, long t, long bs) {
-    return q->tables[s * q->table_stride + t / bs] * bs + t % bs;
+static inline long row_of(const struct epd_seqs *q, long s) { return q->rows ? q->rows[s] : s; }
+
+static inline long slot_of(const struct epd_seqs *q, long r, long t, long bs) {
+    return q->tables[r * q->table_stride + t / bs] * bs + t % bs;
 }
 
 /* A value as a bf16 tensor of torch's would hold it (bf16), or as it is. */
@@ -298,10 +330,11 @@ static void store(void *dst, long at, const float *v, long n, int bf16) {
     for (long i = 0; i < n; i++) ((uint16_t *)dst)[at + i] = to_bf16(v[i]);
 }
 
-/* For each sequence s and query head h: out = softmax(q . keys * scale) . values over the
-   sequence's tokens, head h reading kv head h / (heads / kv_heads). q [S, (heads + 2 kv_heads)
-   head_dim] (its q part is read), out [S, heads head_dim], scores [S heads, longest] scratch;
-   slots [S, longest]: each token's cache slot (`slot_of`, once a step, not per key, head and
+/* For each token s and query head h: out = softmax(q . keys * scale) . values over the keys
+   the token sees, in order, head h reading kv head h / (heads / kv_heads): each token's own
+   sums, whatever else the step holds. q [S, (heads + 2 kv_heads) head_dim] (its q part is
+   read), out [S, heads head_dim], scores [threads, longest] scratch (a thread's row); slots
+   [rows, longest]: each sequence's cache slots (`slot_of`, once a step, not per key, head and
    layer). */
 static void attend(const struct epd_decoder *m, const struct epd_layer *layer,
                    const struct epd_seqs *seqs, const long *slots, const float *q, long longest,
@@ -314,8 +347,8 @@ static void attend(const struct epd_decoder *m, const struct epd_layer *layer,
     for (long sh = 0; sh < seqs->S * heads; sh++) {
         long s = sh / heads, h = sh % heads, head = h / group, len = seqs->lens[s];
         const float *qh = q + s * q_stride + h * d;
-        float *sc = scores + sh * longest, *o = out + s * heads * d + h * d;
-        const long *slot = slots + s * longest;
+        float *sc = scores + omp_get_thread_num() * longest, *o = out + s * heads * d + h * d;
+        const long *slot = slots + row_of(seqs, s) * longest;
         float top = -INFINITY, total = 0.0f;
         for (long t = 0; t < len; t++) {
             long at = (slot[t] * kvh + head) * d;
@@ -333,51 +366,66 @@ static void attend(const struct epd_decoder *m, const struct epd_layer *layer,
     }
 }
 
-/* Every layer on the new tokens of the sequences, then the final norm. The tokens come in as
-   their embeddings x_in [S, hidden], or (x_in NULL) as their ids, looked up in m->embed; out
-   gets the final norm's output [S, hidden], or (ids given) the LM head's logits [S, vocab]
-   (fp32, or bf16 in a bf16 decoder). 0; -1 when there is no memory for the scratch, -2 when a
-   length does not fit its table or S is not 1 .. MAX_SEQS. */
+/* Every layer on the step's tokens, then the final norm. The tokens come in as their
+   embeddings x_in [S, hidden], or (x_in NULL) as their ids, looked up in m->embed; out gets
+   the final norm's output [S, hidden] (num_sample < 0), or the LM head's logits (fp32, or
+   bf16 in a bf16 decoder): of every token where ids are given, else of the num_sample >= 0
+   tokens `sample` lists ([num_sample, vocab]). `invariant`: products of any number of
+   tokens, each token's the one-row product's sums (products_each), so what a token gets does
+   not depend on the rest of the step; else the step is a decode of 1 .. MAX_SEQS sequences,
+   its products reading each weight row once for all of them (products_for). 0; -1 when there
+   is no memory for the scratch, -2 when a length does not fit its table or S is out of range. */
 static int decode(const struct epd_decoder *m, const struct epd_seqs *seqs, const void *x_in,
-                  const int64_t *ids, void *out, int threads) {
+                  const int64_t *ids, const int64_t *sample, long num_sample, void *out,
+                  int invariant, int threads) {
     long n = m->hidden, d = m->head_dim, heads = m->heads, kvh = m->kv_heads, S = seqs->S;
     long inter = m->intermediate, qkv_rows = (heads + 2 * kvh) * d, bs = m->block_size;
-    long longest = 0;
+    long longest = 0, num_rows = 0;
     int bf16 = m->bf16;
-    if (S < 1 || S > MAX_SEQS) return -2;
+    if (S < 1 || (!invariant && S > MAX_SEQS)) return -2;
     for (long s = 0; s < S; s++) {
-        long len = seqs->lens[s];
-        if (len < 1 || (len - 1) / bs >= seqs->max_blocks) return -2;
+        long len = seqs->lens[s], r = row_of(seqs, s);
+        if (len < 1 || (len - 1) / bs >= seqs->max_blocks || r < 0) return -2;
         longest = len > longest ? len : longest;
+        num_rows = r + 1 > num_rows ? r + 1 : num_rows;
     }
-    long logits = ids && bf16 ? S * m->vocab : 0; /* bf16 logits: computed in fp32 first */
+    long heads_out = ids ? S : num_sample; /* rows of logits (< 0: the hidden states out) */
+    long logits = heads_out > 0 && bf16 ? heads_out * m->vocab : 0; /* bf16: fp32 first */
     float *x = malloc(
-        (S * (2 * n + 2 * d + qkv_rows + heads * d + 2 * inter + heads * longest) + logits) *
+        (S * (2 * n + 2 * d + qkv_rows + heads * d + 2 * inter) + threads * longest + logits) *
         sizeof *x);
-    long *slot_table = malloc(S * longest * sizeof *slot_table);
+    long *slot_table = malloc((num_rows * longest + num_rows) * sizeof *slot_table);
     if (!x || !slot_table) {
         free(x);
         free(slot_table);
         return -1;
     }
-    for (long s = 0; s < S; s++)
-        for (long t = 0; t < seqs->lens[s]; t++)
-            slot_table[s * longest + t] = slot_of(seqs, s, t, bs);
+    long *known = slot_table + num_rows * longest; /* a sequence's slots so far */
+    memset(known, 0, num_rows * sizeof *known);
+    for (long s = 0; s < S; s++) { /* each sequence's slots, up to its last token's */
+        long r = row_of(seqs, s);
+        for (; known[r] < seqs->lens[s]; known[r]++)
+            slot_table[r * longest + known[r]] = slot_of(seqs, r, known[r], bs);
+    }
     float *h = x + S * n, *cos = h + S * n, *signed_sin = cos + S * d, *qkv = signed_sin + S * d;
     float *att = qkv + S * qkv_rows, *gate_up = att + S * heads * d;
     float *scores = gate_up + S * 2 * inter;
+#define PRODUCTS_OF(T, w, in, b, y, rows, k)                                                \
+    (invariant ? products_each(T, w, in, b, y, rows, k, bf16, threads)                      \
+               : products_for(T, w, in, b, y, rows, k, bf16, threads))
     for (long s = 0; s < S; s++) /* the residual streams */
         for (long i = 0; i < n; i++)
-            x[s * n + i] = ids ? weight(m->embed, ids[s] * n + i, bf16) : weight(x_in, s * n + i, bf16);
+            x[s * n + i] =
+                ids ? weight(m->embed, ids[s] * n + i, bf16) : weight(x_in, s * n + i, bf16);
     for (long s = 0; s < S; s++) rotary_tables(m, seqs, s, cos + s * d, signed_sin + s * d);
     long kv = kvh * d; /* one token's keys (or values) in a layer */
     for (long l = 0; l < m->num_layers; l++) {
         const struct epd_layer *layer = m->layers + l;
         for (long s = 0; s < S; s++) rms_norm(x + s * n, layer->norm1, h + s * n, n, m->eps, bf16);
-        products_for(S, layer->qkv_w, h, layer->qkv_b, qkv, qkv_rows, n, bf16, threads);
+        PRODUCTS_OF(S, layer->qkv_w, h, layer->qkv_b, qkv, qkv_rows, n);
         for (long s = 0; s < S; s++) {
             float *row = qkv + s * qkv_rows;
-            long slot = slot_table[s * longest + seqs->lens[s] - 1]; /* the new token's */
+            long slot = slot_table[row_of(seqs, s) * longest + seqs->lens[s] - 1]; /* its own */
             for (long i = 0; bf16 && i < qkv_rows; i++) row[i] = rnd(row[i], 1);
             for (long head = 0; head < heads + kvh; head++) /* q's heads, then k's */
                 rotate(row + head * d, cos + s * d, signed_sin + s * d, d, bf16);
@@ -385,10 +433,10 @@ static int decode(const struct epd_decoder *m, const struct epd_seqs *seqs, cons
             store(layer->v_cache, slot * kv, row + heads * d + kv, kv, bf16);
         }
         attend(m, layer, seqs, slot_table, qkv, longest, scores, att, threads);
-        products_for(S, layer->o_w, att, NULL, h, n, heads * d, bf16, threads);
+        PRODUCTS_OF(S, layer->o_w, att, NULL, h, n, heads * d);
         for (long i = 0; i < S * n; i++) x[i] = rnd(rnd(h[i], bf16) + x[i], bf16);
         for (long s = 0; s < S; s++) rms_norm(x + s * n, layer->norm2, h + s * n, n, m->eps, bf16);
-        products_for(S, layer->gate_up_w, h, NULL, gate_up, 2 * inter, n, bf16, threads);
+        PRODUCTS_OF(S, layer->gate_up_w, h, NULL, gate_up, 2 * inter, n);
         for (long s = 0; s < S; s++) { /* silu(g) * u, into g's place */
             float *g = gate_up + s * 2 * inter, *u = g + inter;
             for (long i = 0; i < inter; i++) {
@@ -398,19 +446,21 @@ static int decode(const struct epd_decoder *m, const struct epd_seqs *seqs, cons
         }
         for (long s = 0; s < S; s++) /* down's input rows: each sequence's g, packed */
             memmove(gate_up + s * inter, gate_up + s * 2 * inter, inter * sizeof *x);
-        products_for(S, layer->down_w, gate_up, NULL, h, n, inter, bf16, threads);
+        PRODUCTS_OF(S, layer->down_w, gate_up, NULL, h, n, inter);
         for (long i = 0; i < S * n; i++) x[i] = rnd(rnd(h[i], bf16) + x[i], bf16);
     }
     for (long s = 0; s < S; s++) rms_norm(x + s * n, m->final_norm, h + s * n, n, m->eps, bf16);
-    if (!ids) {
+    if (heads_out < 0) {
         store(out, 0, h, S * n, bf16);
-    } else if (!bf16) {
-        products_for(S, m->head, h, NULL, out, m->vocab, n, 0, threads);
-    } else {
-        float *y = scores + S * heads * longest;
-        products_for(S, m->head, h, NULL, y, m->vocab, n, 1, threads);
-        store(out, 0, y, S * m->vocab, 1);
+    } else if (heads_out > 0) {
+        if (!ids) /* the sampled tokens' rows, packed (x is free now) */
+            for (long i = 0; i < num_sample; i++)
+                memcpy(x + i * n, h + sample[i] * n, n * sizeof *x);
+        float *y = bf16 ? scores + threads * longest : out;
+        PRODUCTS_OF(heads_out, m->head, ids ? h : x, NULL, y, m->vocab, n);
+        if (bf16) store(out, 0, y, heads_out * m->vocab, 1);
     }
+#undef PRODUCTS_OF
     free(x);
     free(slot_table);
     return 0;
@@ -418,7 +468,7 @@ static int decode(const struct epd_decoder *m, const struct epd_seqs *seqs, cons
 
 int epd_decode_layers(const struct epd_decoder *m, const struct epd_seqs *seqs, const void *x_in,
                       void *out, int threads) {
-    return decode(m, seqs, x_in, NULL, out, threads);
+    return decode(m, seqs, x_in, NULL, NULL, -1, out, 0, threads);
 }
 
 /* A whole decode step: the tokens `ids` [S] through the embedding table, every layer, the final
@@ -429,5 +479,20 @@ int epd_decode_step(const struct epd_decoder *m, const struct epd_seqs *seqs, co
     if (!m->embed || !m->head) return -3;
     for (long s = 0; s < seqs->S; s++)
         if (ids[s] < 0 || ids[s] >= m->vocab) return -4;
-    return decode(m, seqs, NULL, ids, logits, threads);
+    return decode(m, seqs, NULL, ids, NULL, 0, logits, 0, threads);
+}
+
+/* The batch-invariant forward (lm_worker/cpu_decode.py's `InvariantForward`): any tokens,
+   decode and prefill alike, from their embeddings x_in [S, hidden] through every layer, the
+   final norm and the LM head, into the logits [num_sample, vocab] of the tokens `sample`
+   lists. Each token's sums are the same whatever the step holds besides it (products_each,
+   and attention per token over its own keys). As decode(); -3 when the model offers no head,
+   -4 when a sampled index is not a token of the step. */
+int epd_forward_tokens(const struct epd_decoder *m, const struct epd_seqs *seqs, const void *x_in,
+                       const int64_t *sample, long num_sample, void *logits, int threads) {
+    if (!m->head) return -3;
+    for (long i = 0; i < num_sample; i++)
+        if (sample[i] < 0 || sample[i] >= seqs->S) return -4;
+    if (num_sample < 0) return -4;
+    return decode(m, seqs, x_in, NULL, sample, num_sample, logits, 1, threads);
 }

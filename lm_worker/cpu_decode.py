@@ -16,6 +16,9 @@ position axes), in float32 or bfloat16 (computing in float32 and rounding where 
 tensors round), and is kept for the sequence counts where it is measured faster than the
 modules at start-up (`choose_fused_decode`). The model runner holds it and calls one entry
 point, `step` (token ids to logits), before the modules.
+
+`InvariantForward` runs the same C layers for every step of a worker with `lm.batch_invariant`
+on, prefill included, each token's arithmetic its own (see there).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -75,6 +79,7 @@ class _Seqs(ctypes.Structure):  # struct epd_seqs
         ("lens", ctypes.c_void_p),
         ("positions", ctypes.c_void_p),
         ("position_stride", ctypes.c_long),
+        ("rows", ctypes.c_void_p),  # NULL: token s is sequence s's
     ]
 
 
@@ -223,6 +228,7 @@ class FusedDecode:
             lens.data_ptr(),
             positions.data_ptr(),
             positions.stride(0) if positions.dim() == 2 else 0,  # [T]: one axis for all
+            None,
         )
         return ctypes.byref(self._decoder), ctypes.byref(seqs)  # (byref keeps seqs alive)
 
@@ -235,6 +241,87 @@ class FusedDecode:
             )
         if failed:
             raise RuntimeError("fused decode: a sequence's length does not fit its block table")
+
+
+class InvariantForward:
+    """The batch-invariant forward (`lm.batch_invariant`): every step, prefill and decode tokens
+    alike, from the embeddings through the C layers to the logits of the sampled tokens, with
+    each token's arithmetic its own. Its products are the one-row product's sums for every
+    token (cpu_decode.c's `products_each`), its attention runs over exactly the keys the token
+    sees, in order, and norms, rotary and SiLU go token by token. So a request's logits do not
+    depend on what else is in its batch, on how its prompt was cut into chunks, or on which
+    earlier request computed its cached prefix: the same request gives the same tokens alone,
+    in any batch, after a preemption and on another worker of the same build and CPU.
+
+    The cost is the batch kernels' speed: each token's products read the weights from cache
+    one row at a time, where a batch kernel shares its loads among rows (`epd bench lm
+    --batch-invariant` measures it)."""
+
+    # Tokens a C call: bounds its scratch (some 4 x (2 hidden + 3 intermediate) bytes a token).
+    GROUP = 256
+
+    def __init__(self, model: nn.Module, attention: PagedAttention):
+        self.decoder = FusedDecode(model, attention)  # the decoder as the C reads it
+        if not self.decoder.whole_step:
+            raise ValueError(
+                "no batch-invariant forward: the model's LM head is not a dense CPU tensor of "
+                "its layers' dtype"
+            )
+        self._run = c_library()[0].epd_forward_tokens
+        self.vocab = self.decoder._decoder.vocab
+        self.dtype = torch.bfloat16 if self.decoder._decoder.bf16 else torch.float32
+
+    def logits(
+        self,
+        embeds: torch.Tensor,  # [T, hidden], the step's tokens in order
+        positions: torch.Tensor,  # [axes, T] or [T]
+        block_ids: list[list[int]],  # each request's block table
+        computed: np.ndarray,  # [requests] tokens each has in the cache before this step
+        counts: np.ndarray,  # [requests] tokens each has in this step
+        sample: np.ndarray,  # token indices whose logits are wanted, ascending
+    ) -> torch.Tensor:  # [len(sample), vocab]
+        T = embeds.shape[0]
+        width = max(len(row) for row in block_ids)
+        tables = np.zeros((len(block_ids), width), dtype=np.int64)  # 0: the null block
+        for i, row in enumerate(block_ids):
+            tables[i, : len(row)] = row
+        rows = np.repeat(np.arange(len(block_ids), dtype=np.int64), counts)
+        starts = np.cumsum(counts) - counts
+        # Keys token t sees: its sequence's cached ones, then the step's up to itself.
+        lens = computed[rows] + np.arange(T, dtype=np.int64) - starts[rows] + 1
+        sample = np.ascontiguousarray(sample, dtype=np.int64)
+        out = torch.empty(len(sample), self.vocab, dtype=self.dtype)
+        embeds = embeds.contiguous()
+        assert embeds.dtype == self.dtype and positions.stride(-1) == 1
+        threads = torch.get_num_threads()
+        done = 0  # sampled rows written
+        for g0 in range(0, T, self.GROUP):
+            g1 = min(g0 + self.GROUP, T)
+            k1 = done + int(np.searchsorted(sample[done:], g1))
+            group_sample = sample[done:k1] - g0
+            at = positions[..., g0:g1]
+            seqs = _Seqs(
+                g1 - g0,
+                tables.ctypes.data,
+                width,
+                width,
+                lens[g0:].ctypes.data,
+                at.data_ptr(),
+                at.stride(0) if at.dim() == 2 else 0,
+                rows[g0:].ctypes.data,
+            )
+            failed = self._run(
+                ctypes.byref(self.decoder._decoder),
+                ctypes.byref(seqs),
+                embeds[g0:g1].data_ptr(),
+                group_sample.ctypes.data,
+                len(group_sample),
+                out[done:k1].data_ptr() if k1 > done else None,
+                threads,
+            )
+            self.decoder._check(failed)
+            done = k1
+        return out
 
 
 def why_not_fused(model: nn.Module, attention: PagedAttention) -> str:

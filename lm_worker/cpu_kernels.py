@@ -180,6 +180,12 @@ def c_library() -> tuple[ctypes.CDLL | None, str]:
         for function in (lib.epd_decode_layers, lib.epd_decode_step):
             function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int]
             function.restype = ctypes.c_int
+        lib.epd_forward_tokens.argtypes = [ctypes.c_void_p] * 4 + [
+            ctypes.c_long,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
+        lib.epd_forward_tokens.restype = ctypes.c_int
     if fixed:
         bits, how = int(fixed), f"set by {VECTOR_ENV}"
     else:

@@ -15,7 +15,12 @@ from connector.kv_stream import KVInbox, KVSender
 from lm_worker import huge_pages
 from lm_worker.attention import PagedAttention
 from lm_worker.block_manager import BlockManager
-from lm_worker.cpu_decode import FusedDecode, choose_fused_decode, why_not_fused
+from lm_worker.cpu_decode import (
+    FusedDecode,
+    InvariantForward,
+    choose_fused_decode,
+    why_not_fused,
+)
 from lm_worker.cpu_kernels import choose_linear_kernel, linear_layers, use_kernel, why_not
 from lm_worker.engine import Emit, LMEngine
 from lm_worker.inputs import ready_tokens
@@ -54,8 +59,15 @@ def build_engine(
         )
     attention = PagedAttention(lm.block_size, text.head_dim)
     model = family.load_language_model(attention, dtype, device)
+    if lm.batch_invariant and device.type != "cpu":
+        raise RuntimeError(
+            "lm.batch_invariant runs on the CPU only for now (our C layers); on a GPU its "
+            "kernels (fixed-tile products, per-token attention in Triton) are not built yet"
+        )
     kernel = "cuda"
-    if device.type == "cpu":
+    if lm.batch_invariant:
+        kernel = "batch-invariant C layers"
+    elif device.type == "cpu":
         kernel = _choose_cpu_kernel(lm, model)
     huge = device.type == "cpu" and lm.cpu_huge_pages
     if huge:  # after the kernel choice: the dense weights it dropped are not copied
@@ -92,7 +104,12 @@ def build_engine(
         pad_decodes=pad_decodes,
     )
     runner.dummy_run(1)  # warm-up: kernels and allocator settle before the first request
-    if device.type == "cpu":
+    if lm.batch_invariant:
+        why = why_not_fused(model, attention)
+        if why:
+            raise RuntimeError(f"lm.batch_invariant cannot run here: {why}")
+        runner.invariant = InvariantForward(model, attention)
+    elif device.type == "cpu":
         _choose_fused_decode(lm, runner)
     kv: KVConnector = NoKVConnector()
     if kv_store is not None:

@@ -31,7 +31,7 @@ import torch
 from lm_worker.attention import PagedAttention, PagedAttentionMetadata
 from lm_worker.block_manager import NULL_BLOCK
 from lm_worker.buffers import InputBuffers
-from lm_worker.cpu_decode import FusedDecode
+from lm_worker.cpu_decode import FusedDecode, InvariantForward
 from lm_worker.cuda_graph import CudaGraphRunner, graph_sizes
 from lm_worker.inputs import EmbeddingCache, RealtimeRows, RequestInputs, gather_mm_embeddings
 from lm_worker.request import Request
@@ -108,6 +108,8 @@ class ModelRunner:
         self.embeddings = EmbeddingCache()  # by mm_hash, for the live requests
         # The fused CPU decode (lm_worker/cpu_decode.py), where the loader chose it.
         self.fused: FusedDecode | None = None
+        # lm.batch_invariant: every step through it instead (set by the loader).
+        self.invariant: InvariantForward | None = None
         self.graphs: CudaGraphRunner | None = None
         if use_graphs:
             assert device.type == "cuda", "CUDA graphs need a CUDA device"
@@ -269,6 +271,8 @@ class ModelRunner:
             is_mm_embed.to(self.device) if mm_embeds else None,
         )
         b.inputs_embeds[:T].copy_(embeds)
+        if self.invariant is not None:
+            return self._invariant_logits(inputs, save_layer)
         if inputs.use_graph:
             hidden = self.graphs.replay(padded)
         else:
@@ -316,6 +320,28 @@ class ModelRunner:
                 return logits
         hidden = self.model(None, positions, self.model.embed_input_ids(ids), meta)
         return self.model.compute_logits(hidden)
+
+    def _invariant_logits(
+        self, inputs: InputBatch, save_layer: Callable[[int, torch.Tensor], None] | None
+    ) -> torch.Tensor:
+        """The step through the batch-invariant forward (its real tokens; padding is for
+        graphs). Its layers run in one C call, so the KV connector's per-layer save gets each
+        layer after it."""
+        T, b = inputs.num_tokens, self.buffers
+        sample = inputs.logits_indices
+        sample = np.arange(T) if isinstance(sample, slice) else sample.cpu().numpy()
+        logits = self.invariant.logits(
+            b.inputs_embeds[:T],
+            b.positions_view(T),
+            [r.block_ids for r in inputs.requests],
+            inputs.num_computed_tokens,
+            inputs.num_scheduled_tokens,
+            sample,
+        )
+        if save_layer is not None:
+            for layer, layer_kv in enumerate(self.attention.kv_cache):
+                save_layer(layer, layer_kv)
+        return logits
 
     # -- helpers ------------------------------------------------------------------------------
 
