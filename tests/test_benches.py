@@ -77,9 +77,13 @@ def test_bench_lm(tiny_checkpoint):
         "1",
         "--profile",
         "4",
+        "--batch-invariant",
         stdout=printed,
     )
     assert "1 prefill + 3 decode steps" in printed[0] and "Self CPU" in printed[0]
+    invariant = summary["batch_invariant"]
+    assert invariant["batch1_tps"] > 0 and invariant["streams_vs_ours"] > 0
+    assert invariant["few_streams_vs_ours"] > 0
     assert summary["batch1_ours_tps"] > 0 and summary["batch1_hf_tps"] > 0
     assert summary["roofline_tps"] > 0 and summary["streams_vs_hf_batch"] > 0
     assert summary["linear_kernel"] in KERNELS

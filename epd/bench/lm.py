@@ -14,6 +14,8 @@ Both sides run in this process on the same threads, interleaved round by round:
   `read_bandwidth` (a sum and GEMVs, torch's and ours, best of 5; on 2 MiB pages as our
   weights are, and a sum on ordinary pages) are printed beside them. A copy reads and writes,
   so its rate is no limit.
+`--batch-invariant` runs a second engine of ours with `lm.batch_invariant` on, in the same
+rounds, and gives its figures as ratios to our default engine's (what batch invariance costs).
 The CPU model and the linear kernel the LM worker chose at start-up are printed with the figures;
 `--dtype bfloat16` runs both sides' weights and compute in bf16 (the roofline counts its bytes).
 The last line is one JSON object with the figures and ratios.
@@ -58,11 +60,13 @@ class Ours:
         dtype: torch.dtype,
         fused_decode: str = "auto",
         huge_pages: bool = True,
+        batch_invariant: bool = False,
     ):
         lm = LMConfig(
             device=device,
             cpu_fused_decode=fused_decode,
             cpu_huge_pages=huge_pages,
+            batch_invariant=batch_invariant,
             kv_cache_bytes=1 << 30,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(2048, max_num_seqs),
@@ -263,6 +267,17 @@ def run(args: argparse.Namespace) -> int:
         args.huge_pages == "on",
     )
     hf = HuggingFace(model_dir, device, dtype)
+    invariant = None
+    if args.batch_invariant:
+        invariant = Ours(
+            model_dir,
+            max(args.streams, args.few_streams, 1),
+            device,
+            dtype,
+            huge_pages=args.huge_pages == "on",
+            batch_invariant=True,
+        )
+        invariant.run(1, 4)
     n = args.tokens
     ours.run(1, 4)  # warm-up both
     hf.run(1, 4)
@@ -272,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
     ours_pairs, hf_pairs = PairedSteps(probe, weights, skip=1), PairedSteps(probe, weights, skip=0)
     ours_b1, hf_b1, ours_many, hf_batch, reads_r = [], [], [], [], []
     ours_few, hf_few = [], []
+    inv_b1, inv_many, inv_few = [], [], []  # --batch-invariant
     med = statistics.median
     for r in range(args.rounds):
         ours_b1.append((n - 1) / (_best(ours.run, 1, n) - _best(ours.run, 1, 1)))
@@ -286,6 +302,17 @@ def run(args: argparse.Namespace) -> int:
         if args.few_streams:
             ours_few.append(args.few_streams * n / ours.run(args.few_streams, n))
             hf_few.append(args.few_streams * n / hf.run(args.few_streams, n))
+        if invariant is not None:
+            inv_b1.append((n - 1) / (_best(invariant.run, 1, n) - _best(invariant.run, 1, 1)))
+            inv_many.append(args.streams * n / invariant.run(args.streams, n))
+            if args.few_streams:
+                inv_few.append(args.few_streams * n / invariant.run(args.few_streams, n))
+            print(
+                f"round {r + 1}: batch-invariant batch 1 {inv_b1[-1]:.1f} tok/s, "
+                f"x{args.streams} streams {inv_many[-1]:.1f}"
+                + (f", x{args.few_streams} {inv_few[-1]:.1f}" if args.few_streams else ""),
+                flush=True,
+            )
         reads_now = ours_pairs.reads[seen[0] :] + hf_pairs.reads[seen[1] :]
         print(
             f"round {r + 1}: batch 1 ours {ours_b1[-1]:.1f} tok/s, HF {hf_b1[-1]:.1f}; step by "
@@ -338,6 +365,28 @@ def run(args: argparse.Namespace) -> int:
             "few_streams_hf_tps": round(med(hf_few), 2),
             "few_streams_vs_hf": round(med(ours_few) / med(hf_few), 3),
         }
+    if invariant is not None:
+        inv = {
+            "batch1_tps": round(med(inv_b1), 2),
+            "batch1_vs_ours": round(med(inv_b1) / med(ours_b1), 3),
+            "streams_tps": round(med(inv_many), 2),
+            "streams_vs_ours": round(med(inv_many) / med(ours_many), 3),
+        }
+        if args.few_streams:
+            inv |= {
+                "few_streams_tps": round(med(inv_few), 2),
+                "few_streams_vs_ours": round(med(inv_few) / med(ours_few), 3),
+            }
+        summary["batch_invariant"] = inv
+        print(
+            f"batch-invariant: batch 1 {inv['batch1_vs_ours']}x ours, {args.streams} streams "
+            f"{inv['streams_vs_ours']}x ours"
+            + (
+                f", {args.few_streams} streams {inv['few_streams_vs_ours']}x"
+                if args.few_streams
+                else ""
+            )
+        )
     print(
         f"batch 1 ({summary['linear_kernel']} kernel"
         f"{', fused layers' if summary['fused_decode'] else ''}): "
@@ -401,6 +450,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="on",
         choices=["on", "off"],
         help="lm.cpu_huge_pages for our engine: weights and KV cache on 2 MiB pages (default on)",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="also run an engine with lm.batch_invariant on; its figures as ratios to ours",
     )
     p.add_argument(
         "--few-streams",
