@@ -240,6 +240,7 @@ def test_bench_soak(tiny_checkpoint):
     assert summary["errors"] == 0, summary["intervals"]
     assert len(summary["intervals"]) >= 2
     assert set(summary["rss_growth_mib"]) >= {"proxy", "lm-0", "encoder-0", "redis"}
+    assert summary["after_warmup"]["from_interval"] >= 1
 
 
 def test_bench_pd(tiny_checkpoint):
