@@ -36,6 +36,8 @@ class PagedAttentionMetadata:
     prefill_block_tables: list[torch.Tensor]  # each [num_blocks_i] int64
     # The decode sequences' key masks by sliding window, made by a forward's first layer.
     decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # The batch-invariant kernel's query tiles (lm_worker/triton_invariant.py), made once.
+    invariant_tiles: tuple | None = None
 
 
 class PagedAttention:
@@ -50,6 +52,9 @@ class PagedAttention:
         # Called with (layer, that layer's cache) once a layer's new K / V are written, in
         # eager forwards that set it (the KV connector sends them while later layers run).
         self.on_layer_written: Callable[[int, torch.Tensor], None] | None = None
+        # lm.batch_invariant on a GPU: every token, prefill and decode, through one kernel
+        # (lm_worker/triton_invariant.py's `attention`; set by `use_invariant_kernels`).
+        self.invariant_kernel = None
 
     def allocate(
         self,
@@ -99,6 +104,10 @@ class PagedAttention:
         v_slots.index_copy_(0, meta.slot_mapping, v)
         if self.on_layer_written is not None:
             self.on_layer_written(layer_idx, layer_kv)
+        if self.invariant_kernel is not None:
+            return self.invariant_kernel(
+                q, layer_kv[0], layer_kv[1], meta, self.scale, sliding_window
+            )
 
         parts = []
         num_decodes = meta.num_decodes

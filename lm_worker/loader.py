@@ -59,14 +59,12 @@ def build_engine(
         )
     attention = PagedAttention(lm.block_size, text.head_dim)
     model = family.load_language_model(attention, dtype, device)
-    if lm.batch_invariant and device.type != "cpu":
-        raise RuntimeError(
-            "lm.batch_invariant runs on the CPU only for now (our C layers); on a GPU its "
-            "kernels (fixed-tile products, per-token attention in Triton) are not built yet"
-        )
     kernel = "cuda"
-    if lm.batch_invariant:
-        kernel = "batch-invariant C layers"
+    if lm.batch_invariant and device.type == "cuda":
+        _use_triton_invariant_kernels(model, attention)
+        kernel = "batch-invariant Triton kernels"
+    elif lm.batch_invariant:
+        kernel = "batch-invariant C layers"  # (the runner's InvariantForward, below)
     elif device.type == "cpu":
         kernel = _choose_cpu_kernel(lm, model)
     huge = device.type == "cpu" and lm.cpu_huge_pages
@@ -104,7 +102,7 @@ def build_engine(
         pad_decodes=pad_decodes,
     )
     runner.dummy_run(1)  # warm-up: kernels and allocator settle before the first request
-    if lm.batch_invariant:
+    if lm.batch_invariant and device.type == "cpu":
         why = why_not_fused(model, attention)
         if why:
             raise RuntimeError(f"lm.batch_invariant cannot run here: {why}")
@@ -140,6 +138,17 @@ def build_engine(
         registry=registry,
         linear_kernel=kernel,
     )
+
+
+def _use_triton_invariant_kernels(model: torch.nn.Module, attention: PagedAttention) -> None:
+    """lm.batch_invariant on a GPU: the products, norms and attention in Triton kernels whose
+    sums do not depend on the batch (lm_worker/triton_invariant.py)."""
+    try:
+        from lm_worker.triton_invariant import use_invariant_kernels
+    except ImportError as e:
+        raise RuntimeError(f"lm.batch_invariant on a GPU needs Triton: {e}") from e
+    switched = use_invariant_kernels(model, attention)
+    logger.info("batch-invariant kernels: %d linear and norm layers, and attention", switched)
 
 
 def _weights_on_huge_pages(model: torch.nn.Module) -> None:

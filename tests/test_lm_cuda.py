@@ -139,3 +139,58 @@ def test_triton_paged_decode_speed_at_long_context():
         f"(triton {times['torch'] / times['triton']:.1f}x faster)"
     )
     torch.testing.assert_close(outs["triton"], outs["torch"], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_batch_invariant_streams_together_get_what_each_gets_alone(checkpoint, graphs, dtype):
+    """lm.batch_invariant on a GPU (lm_worker/triton_invariant.py): 24 streams, greedy and
+    seeded, prompts chunked among the others', give each exactly the tokens and log-
+    probabilities it gets alone; the batch's time is printed beside the default kernels'."""
+
+    def invariant_engine(**lm):
+        config = LMConfig(
+            device="cuda",
+            cuda_graphs=graphs,
+            kv_cache_bytes=256 << 20,
+            max_model_len=1024,
+            batch_invariant=True,
+            **lm,
+        )
+        return build_engine(config, load_family(checkpoint), dtype, registry=None)
+
+    def requests():
+        for i in range(24):
+            sampling = {"max_tokens": 64, "ignore_eos": True, "logprobs": 0, "temperature": 0.0}
+            if i % 2:
+                sampling |= {"temperature": 0.9, "top_p": 0.95, "seed": i}
+            prompt = [100 + (7 * i + j) % 400 for j in range(20 + 9 * i)]
+            yield Request(f"s{i}", prompt, SamplingParams(**sampling))
+
+    def run(e, batch):
+        sinks = {r.request_id: Collected() for r in batch}
+        for r in batch:
+            e.add_request(r, sinks[r.request_id])
+        started = time.perf_counter()
+        e.run_to_completion()
+        torch.cuda.synchronize()
+        got = {
+            k: [(t.token_id, t.logprob) for o in s.outputs for t in o.logprobs]
+            for k, s in sinks.items()
+        }
+        return got, time.perf_counter() - started
+
+    single = invariant_engine(max_num_seqs=32)
+    alone = {}
+    for r in requests():
+        alone |= run(single, [r])[0]
+    crowd = invariant_engine(max_num_seqs=32, max_num_batched_tokens=96)
+    together, seconds = run(crowd, list(requests()))
+    differing = [k for k in alone if together[k] != alone[k]]
+    default = engine(checkpoint, graphs, dtype)
+    _, default_seconds = run(default, list(requests()))
+    print(
+        f"batch-invariant {dtype} graphs {graphs}: 24 streams x 64 tokens in {seconds:.2f} s, "
+        f"default kernels {default_seconds:.2f} s ({default_seconds / seconds:.2f}x)"
+    )
+    assert differing == [], differing
