@@ -511,12 +511,13 @@ class LMConfig:
     cpu_fused_decode: Literal["auto", "on", "off"] = "auto"
     # Batch-invariant decoding: a request's logits do not depend on what else is in its batch,
     # how its prompt was chunked or which request cached its prefix, so a greedy or seeded
-    # request gives the same tokens alone, in any batch, after a preemption or a migration
-    # (lm_worker/cpu_decode.py's InvariantForward: every step through our C layers, each
-    # token's sums its own; cpu_linear and cpu_fused_decode are then not used). CPU only for
-    # now, Qwen2-VL / Qwen2.5-VL decoders; costs batch throughput (`epd bench lm
-    # --batch-invariant`). Off: the batch kernels, and a request's tokens may depend on its
-    # batch (README, "Sampling").
+    # request gives the same tokens alone, in any batch, after a preemption or a migration.
+    # On the CPU every step runs our C layers with each token's sums its own
+    # (lm_worker/cpu_decode.py's InvariantForward; Qwen2-VL / Qwen2.5-VL decoders;
+    # cpu_linear and cpu_fused_decode are then not used); on a GPU the products, norms and
+    # attention run Triton kernels of one tiling for every batch (lm_worker/
+    # triton_invariant.py). Costs throughput (`epd bench lm --batch-invariant`). Off: the
+    # fastest kernels, and a request's tokens may depend on its batch (README, "Sampling").
     batch_invariant: bool = False
     # CPU: the LM's weights and KV cache on 2 MiB pages (Linux transparent huge pages, asked
     # for with madvise; lm_worker/huge_pages.py): a decode step's stream of weights reads
