@@ -15,6 +15,8 @@ import os
 import threading
 import time
 import urllib.request
+from pathlib import Path
+from unittest import mock
 
 import grpc
 import pytest
@@ -26,6 +28,7 @@ from PIL import Image
 from common.process import free_port
 from connector import wire
 from proto import epd_pb2, epd_pb2_grpc
+from proxy import validate
 from proxy.validate import json_shape
 from tests.cluster_helpers import Cluster, image_bytes
 from tests.helpers import worker_channel
@@ -472,12 +475,31 @@ JSON_VALUES = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(JSON_VALUES, st.booleans())
-def test_json_shape_counts_what_the_parser_builds(value, ascii_only):
+@given(JSON_VALUES, st.booleans(), st.integers(1, 12))
+def test_json_shape_counts_what_the_parser_builds(value, ascii_only, window):
     """The pre-parse shape check (proxy/validate.json_shape) counts depth and containers
-    exactly, whatever the strings hold."""
+    exactly, whatever the strings hold, and however its windows cut the text (here a few
+    bytes each: cuts inside strings, escapes and runs of backslashes)."""
     text = json.dumps({"v": value}, ensure_ascii=ascii_only, indent=None if ascii_only else 1)
-    assert json_shape(text.encode()) == _reference_shape({"v": value})
+    want = _reference_shape({"v": value})
+    assert json_shape(text.encode()) == want
+    with mock.patch.object(validate, "SHAPE_WINDOW", window):
+        assert json_shape(text.encode()) == want
+
+
+def test_json_shape_needs_memory_for_a_window_not_for_the_body():
+    """A million empty messages (29 MB): scanned whole, the check's arrays took the proxy
+    +524 MiB; a window at a time, a few tens."""
+    body = json.dumps({"messages": [{"role": "user", "content": ""}] * 1_000_000}).encode()
+
+    def kib(key: str) -> int:
+        lines = Path("/proc/self/status").read_text().splitlines()
+        return next(int(line.split()[1]) for line in lines if line.startswith(key))
+
+    Path("/proc/self/clear_refs").write_text("5")  # the peak RSS starts again from here
+    before = kib("VmRSS")
+    assert json_shape(body) == (3, 1_000_002)
+    assert kib("VmHWM") - before < 100 * 1024
 
 
 RAW_METHODS = ["Generate", "Abort", "ListModels"]
