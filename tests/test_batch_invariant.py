@@ -64,8 +64,10 @@ def test_24_streams_together_get_what_each_gets_alone(tiny_checkpoint, cases):
         alone |= run(alone_engine, (request, embeddings))
     assert any(c.last.num_cached_tokens > 0 for c in alone.values())  # prefix hits
 
-    per_block = alone_engine.runner.attention.kv_cache[0, 0, 0].nbytes * 2 * len(
-        alone_engine.runner.attention.kv_cache
+    per_block = (
+        alone_engine.runner.attention.kv_cache[0, 0, 0].nbytes
+        * 2
+        * len(alone_engine.runner.attention.kv_cache)
     )
     crowd_engine = make_engine(
         tiny_checkpoint,
@@ -110,5 +112,5 @@ def test_a_model_it_cannot_run_is_refused_at_start_up(tmp_path):
     """Voxtral's decoder (sliding-window attention, raw token inputs) is not one our C layers
     run: the worker refuses to start rather than serve without the guarantee."""
     checkpoint = make_checkpoint(tmp_path / "vx", "voxtral_realtime", "tiny")
-    with pytest.raises(RuntimeError, match="lm.batch_invariant cannot run here"):
+    with pytest.raises(RuntimeError, match=r"lm\.batch_invariant cannot run here"):
         make_engine(checkpoint, batch_invariant=True)
