@@ -74,6 +74,12 @@ class Proxy:
         self.lms = WorkerPool(
             "lm", epd_pb2_grpc.LanguageModelStub, c.proxy.lm_workers, c, self.redis, **gauges
         )
+        affinity = Affinity(
+            c.proxy.prefix_affinity_blocks,
+            c.proxy.prefix_affinity_margin_tokens,
+            metrics.affinity_routes,
+        )
+        metrics.affinity_blocks.set_function(lambda: len(affinity.index))
         self.frontend = Frontend(
             self.connector,
             self.encoders,
@@ -82,11 +88,7 @@ class Proxy:
             c.proxy.retries,
             c.proxy.request_timeout_seconds,
             c.proxy.encode_mark_ttl_seconds,
-            Affinity(
-                c.proxy.prefix_affinity_blocks,
-                c.proxy.prefix_affinity_margin_tokens,
-                metrics.affinity_routes,
-            ),
+            affinity,
         )
         self.frontend.dispatcher.signer = HashSigner(c.cluster.signing_key())
         self.pending = 0

@@ -108,6 +108,12 @@ class ProxyMetrics:
             ["outcome"],
             **kw,
         )
+        self.affinity_blocks = Gauge(
+            "epd_prefix_affinity_blocks",
+            "Block hashes in the prefix-affinity index (at most proxy.prefix_affinity_blocks; "
+            "the proxy's memory grows with it, about 250 bytes a block, until it is full)",
+            **kw,
+        )
         self.handovers = Counter(
             "epd_pd_handovers_total",
             "Requests handed from a prefill worker to a decode worker (prefill / decode split)",

@@ -241,6 +241,9 @@ def test_bench_soak(tiny_checkpoint):
     assert len(summary["intervals"]) >= 2
     assert set(summary["rss_growth_mib"]) >= {"proxy", "lm-0", "encoder-0", "redis"}
     assert summary["after_warmup"]["from_interval"] >= 1
+    # The proxy's prefix-affinity index, read off its /metrics, holds the prompts it routed.
+    blocks = [row["proxy_affinity_blocks"] for row in summary["intervals"]]
+    assert blocks[-1] > 0 and blocks == sorted(blocks), blocks
 
 
 def test_bench_pd(tiny_checkpoint):

@@ -17,6 +17,7 @@ import json
 import statistics
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -63,6 +64,21 @@ def _rss_mib(pid: int) -> float | None:
     return None
 
 
+def _affinity_blocks(config) -> int | None:
+    """The proxy's prefix-affinity index size (its `/metrics`): the proxy's RSS grows with it
+    until it holds `proxy.prefix_affinity_blocks`."""
+    url = f"http://127.0.0.1:{config.proxy.http_port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("epd_prefix_affinity_blocks "):
+            return int(float(line.split()[1]))
+    return None
+
+
 class _Window:
     def __init__(self):
         self.latencies: list[float] = []
@@ -76,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         "proxy.grpc_port": args.grpc_port,
         "proxy.http_port": args.http_port,
     }
-    config = load_config(None, {k: v for k, v in overrides.items() if v is not None})
+    config = load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
     cluster = LocalCluster(config, num_encoders=args.encoders, num_lm_workers=args.lm_workers)
     cluster.start()
     try:
@@ -139,13 +155,15 @@ def _soak(cluster: LocalCluster, args) -> dict:
                 if lat
                 else None,
                 "rss_mib": {name: _rss_mib(pid) for name, pid in pids.items()},
+                "proxy_affinity_blocks": _affinity_blocks(cluster.config),
                 "first_error": window.errors[0] if window.errors else None,
             }
         per_interval.append(row)
         rss = ", ".join(f"{k} {v:.0f}" for k, v in row["rss_mib"].items() if v is not None)
         print(
             f"interval {row['interval']}: {row['requests']} requests, {row['errors']} errors, "
-            f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms; RSS MiB: {rss}",
+            f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms; RSS MiB: {rss}; "
+            f"proxy prefix-affinity blocks {row['proxy_affinity_blocks']}",
             flush=True,
         )
         if last:
@@ -192,6 +210,7 @@ def _growth(first: dict, final: dict) -> dict[str, float]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("soak", help="mixed load for N minutes: latency and RSS per role")
+    p.add_argument("--config", help="cluster YAML file (defaults fill in the rest)")
     p.add_argument("--model", help="checkpoint directory (default: the built-in model)")
     p.add_argument("--minutes", type=float, default=10.0, help="how long (default 10)")
     p.add_argument("--interval-seconds", type=float, default=60.0, help="one row per interval")
