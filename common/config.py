@@ -697,6 +697,14 @@ def read_secret_file(path: str, key: str) -> str:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    # OpenTelemetry traces (common/tracing.py) go to this OTLP gRPC endpoint, e.g.
+    # 'http://collector:4317'; None: the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or
+    # OTEL_EXPORTER_OTLP_ENDPOINT, and with neither set tracing is off (and costs nothing).
+    otlp_endpoint: str | None = None
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
@@ -705,6 +713,7 @@ class ClusterConfig:
     lm: LMConfig = field(default_factory=LMConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     cluster: SecurityConfig = field(default_factory=SecurityConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     log_level: LogLevel = "info"
 
     def heartbeat_options(self, kind: Literal["encoder", "lm"]) -> dict[str, Any] | None:

@@ -31,7 +31,9 @@ from typing import Literal
 
 import torch
 
+from common import tracing
 from common.config import EncoderConfig
+from common.tracing import Stage, Stages
 from connector import AsyncECConnector, ConnectorError
 from encoder_worker.metrics import EncoderMetrics
 from encoder_worker.tower import Tower
@@ -63,6 +65,9 @@ class ItemResult:
     error_kind: ErrorKind | None = None
     error: str = ""
     encode_seconds: float = 0.0
+    # Where its time went here (common/tracing.py): held_check, or preprocess, queue_wait,
+    # tower and publish.
+    stages: tuple[Stage, ...] = ()
 
     @classmethod
     def failed(cls, mm_hash: str, kind: ErrorKind, error: str, seconds: float) -> ItemResult:
@@ -82,7 +87,17 @@ class EncoderLoad:
 class _Job:
     """One mm_hash being encoded here; every call that wants it awaits `done`."""
 
-    __slots__ = ("accepted", "done", "media", "mm_hash", "num_tokens", "processed", "running")
+    __slots__ = (
+        "accepted",
+        "done",
+        "media",
+        "mm_hash",
+        "num_tokens",
+        "processed",
+        "queued",
+        "running",
+        "stages",
+    )
 
     def __init__(self, item: EncodeItem, done: asyncio.Future):
         self.mm_hash = item.mm_hash
@@ -92,6 +107,8 @@ class _Job:
         self.processed: ProcessedMedia | None = None
         self.running = False
         self.done: asyncio.Future[ItemResult] = done
+        self.stages = Stages()
+        self.queued = 0  # wall-clock ns it joined the batch queue
 
 
 class BatchQueue:
@@ -288,6 +305,7 @@ class MMEncoder:
     ) -> tuple[dict[str, ItemResult], list[str]]:
         """One round trip for the call, before any preprocessing -> (results of the hashes the
         cache holds, or of all of them when Redis cannot answer; the hashes it lacks)."""
+        checked = tracing.now_ns()
         try:
             held = await self.connector.has_many(hashes)
         except ConnectorError as e:
@@ -295,8 +313,15 @@ class MMEncoder:
             self.metrics.error["unavailable"].inc(len(hashes))
             return {h: ItemResult.failed(h, "unavailable", str(e), seconds) for h in hashes}, []
         seconds = time.monotonic() - started
+        check = Stages()
+        check.add("held_check", checked, items=len(hashes), held=sum(held))
+        self.metrics.stages.observe(check)
         pairs = zip(hashes, held, strict=True)
-        answered = {h: ItemResult(h, "held", encode_seconds=seconds) for h, ok in pairs if ok}
+        answered = {
+            h: ItemResult(h, "held", encode_seconds=seconds, stages=tuple(check))
+            for h, ok in pairs
+            if ok
+        }
         self.metrics.items_held.inc(len(answered))
         return answered, [h for h in hashes if h not in answered]
 
@@ -338,6 +363,7 @@ class MMEncoder:
                 self._finish(job, ItemResult.failed(job.mm_hash, "internal", message, 0.0))
             else:
                 job.processed = out
+                job.queued = tracing.now_ns()
                 self.queue.add(job)
         if self.queue:
             self._ready.set()
@@ -347,8 +373,12 @@ class MMEncoder:
         """In a preprocessing thread: the header first (so GetLoad counts its tokens), then
         decoding and preprocessing."""
         started = time.perf_counter()
-        job.num_tokens = self.tower.grid(job.media).encoder_tokens
-        processed = self.tower.prepare(job.media)
+        with job.stages.time(
+            "preprocess", mm_hash=job.mm_hash, modality=job.media.modality
+        ) as stage:
+            job.num_tokens = self.tower.grid(job.media).encoder_tokens
+            stage.attributes["tokens"] = job.num_tokens
+            processed = self.tower.prepare(job.media)
         self.metrics.preprocess_seconds.observe(time.perf_counter() - started)
         return processed
 
@@ -392,15 +422,28 @@ class MMEncoder:
             job.processed = None  # the batch holds the pixels now; freed after the forward
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
+        began = tracing.now_ns()
         self._activity.begin()
         try:
             outputs = await loop.run_in_executor(self._tower_pool, self._forward, inputs)
         finally:
             self._activity.end(len(batch))
+        ended = tracing.now_ns()
+        tokens = sum(p.grid.encoder_tokens for p in inputs)
+        for job in batch:
+            job.stages.add("queue_wait", job.queued, began, mm_hash=job.mm_hash)
+            job.stages.add(
+                "tower",
+                began,
+                ended,
+                mm_hash=job.mm_hash,
+                batch_items=len(batch),
+                batch_tokens=tokens,
+            )
         m = self.metrics
         m.tower_seconds.observe(time.perf_counter() - started)
         m.batch_items.observe(len(batch))
-        m.batch_tokens.observe(sum(p.grid.encoder_tokens for p in inputs))
+        m.batch_tokens.observe(tokens)
         for job, out in zip(batch, outputs, strict=True):
             if isinstance(out, torch.Tensor):
                 m.items_encoded.inc()
@@ -431,11 +474,14 @@ class MMEncoder:
     async def _publish(self, job: _Job, embeds: torch.Tensor) -> None:
         """Set-if-absent with TTL; losing the race to another encoder is HELD, not an error."""
         num, width = embeds.shape[0], embeds.shape[-1]
+        began = tracing.now_ns()
         try:
             put = await self.connector.put(job.mm_hash, embeds)
         except ConnectorError as e:
+            job.stages.add("publish", began, mm_hash=job.mm_hash, error=str(e))
             self._finish(job, ItemResult.failed(job.mm_hash, "unavailable", str(e), 0.0))
             return
+        job.stages.add("publish", began, mm_hash=job.mm_hash, stored=put.stored, bytes=put.nbytes)
         if put.stored:
             self.metrics.bytes_published.inc(put.nbytes)
         else:
@@ -458,7 +504,8 @@ class MMEncoder:
             self.metrics.error[result.error_kind].inc()
         else:
             self.metrics.encode_seconds.observe(seconds)
-        job.done.set_result(replace(result, encode_seconds=seconds))
+        self.metrics.stages.observe(job.stages)
+        job.done.set_result(replace(result, encode_seconds=seconds, stages=tuple(job.stages)))
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

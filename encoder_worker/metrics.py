@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from common.tracing import StageMetrics
+
 # Why an item failed; the servicer maps each to a gRPC status code.
 ERROR_KINDS = ("invalid_argument", "permission_denied", "unavailable", "internal")
 
@@ -17,6 +19,7 @@ _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 class EncoderMetrics:
     def __init__(self, registry: CollectorRegistry | None = REGISTRY):
         kw = {"registry": registry}
+        self.stages = StageMetrics("encoder", registry)  # epd_stage_seconds{role="encoder"}
         self.encode_seconds = Histogram(
             "epd_encoder_encode_seconds",
             "Per item: accepted to published (preprocess, queue, tower, put)",

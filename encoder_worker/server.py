@@ -18,6 +18,7 @@ import grpc
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from common import tracing
 from common.cluster_auth import required_token
 from common.config import ClusterConfig
 from common.media import media_from_proto
@@ -150,6 +151,13 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         async with self.role.work(context):
             if self.encoder is None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is still loading")
+            tracer = tracing.tracer()
+            span = tracer.start(
+                "encoder.encode",
+                tracer.extract(context.invocation_metadata()),
+                encoder=self.name,
+                items=len(request.items),
+            )
             converted = to_items(request, self.signer)
             for c in converted:
                 if isinstance(c, ItemResult):
@@ -165,6 +173,14 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
             items = [c for c in converted if isinstance(c, EncodeItem)]
             encoded = iter(await self.encoder.execute_mm_encoder(items))
             results = [c if isinstance(c, ItemResult) else next(encoded) for c in converted]
+            outcomes = [r.outcome for r in results]
+            tracer.end(
+                span,
+                [stage for r in results for stage in r.stages],
+                stored=outcomes.count("stored"),
+                held=outcomes.count("held"),
+                failed=outcomes.count("failed"),
+            )
             logger.debug(
                 "request %s: %s", request.request_id, ", ".join(r.outcome for r in results)
             )

@@ -110,6 +110,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _role_command(role: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
+        from common import tracing
         from common.log import setup_logging
 
         section = {"encoder": "encoder", "lm": "lm"}.get(role)
@@ -117,7 +118,11 @@ def _role_command(role: str) -> Callable[[argparse.Namespace], int]:
         config = _config_from_args(args, overrides)
         config.check_role(role)
         setup_logging(args.name or role, config.log_level)
-        return importlib.import_module(ROLE_MAINS[role]).main(config, args.name or role)
+        tracing.setup(role, args.name or role, config.tracing.otlp_endpoint)
+        try:
+            return importlib.import_module(ROLE_MAINS[role]).main(config, args.name or role)
+        finally:
+            tracing.shutdown()  # what is left in the exporter's queue goes out
 
     return run
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from common.tracing import wall_ns
 from lm_worker.kv_connector import KVConnector
 from lm_worker.metrics import EngineMetrics
 from lm_worker.model_runner import InputBatch, ModelRunner
@@ -342,6 +343,7 @@ class LMEngine:
     def execute(self, batch: ScheduledBatch) -> None:
         """Run one scheduled batch: inputs, remote KV in, embeddings, forward (KV out as each
         layer is written), sample, outputs."""
+        began = time.monotonic()
         inputs = self.runner.prepare_inputs(batch)
         cache = self.runner.attention.kv_cache
         self.kv.load_kv(cache)  # blocks a remote holds, into the cache before they are read
@@ -356,17 +358,30 @@ class LMEngine:
             raise
         self.kv.wait_for_save()
         sampled = self.sampler(logits, inputs.sampling_requests)
-        outputs = self.postprocess(batch, inputs, sampled)
+        outputs = self.postprocess(batch, inputs, sampled, began)
         self.stream_out(outputs)
 
     def postprocess(
-        self, batch: ScheduledBatch, inputs: InputBatch, sampled: list[SampledToken]
+        self,
+        batch: ScheduledBatch,
+        inputs: InputBatch,
+        sampled: list[SampledToken],
+        began: float | None = None,
     ) -> list[tuple[Sink, RequestOutput]]:
         now = time.monotonic()
         self.metrics.batch_size.observe(len(batch))
         self._steps.add(len(batch))
         self.metrics.batch_tokens.observe(batch.total_tokens)
         for request, n in zip(batch.requests, batch.num_scheduled_tokens, strict=True):
+            if began is not None and request.num_computed_tokens < request.num_prompt_tokens:
+                request.stages.add(  # a prefill chunk (common/tracing.py)
+                    "prefill_chunk",
+                    wall_ns(began),
+                    wall_ns(now),
+                    tokens=n,
+                    batch_requests=len(batch),
+                    batch_tokens=batch.total_tokens,
+                )
             request.num_computed_tokens += n
             if request.first_scheduled is None:
                 request.first_scheduled = now

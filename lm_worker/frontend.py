@@ -28,6 +28,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 
+from common import tracing
+from common.tracing import wall_ns
 from connector import AsyncECConnector, ConnectorError
 from connector.streams import SessionStreams
 from lm_worker.engine import BadRequest, LMEngine, RequestOutput
@@ -280,7 +282,10 @@ class LMFrontend:
         its stream; a decode stage whose media KV is all in the tier fetches none)."""
         session = request.realtime_session
         media = any(f.mm_hash != session for f in request.mm_features)
+        began = tracing.now_ns()
         covered = await self.kv.prefetch_async(request, handover.kv_handover, handover.kv_target)
+        if covered:
+            request.stages.add("kv_prefetch", began, tokens=covered)
         if media and session is None and covered >= request.embeds_end:
             media = not self._media_from_kv(request, handover.rope_delta)
         return media
@@ -335,6 +340,9 @@ class LMFrontend:
             call.queue.put_nowait(e)
             return
         call.embedding_wait = time.monotonic() - call.started
+        request.stages.add(
+            "embedding_wait", wall_ns(call.started), items=len(embeddings), overlap=overlap
+        )
         if not overlap:
             call.queue.put_nowait(_Fetched(embeddings))
 
@@ -342,7 +350,19 @@ class LMFrontend:
         """The last output: a handover's blocks all stored first; its rope delta for the
         decode stage; the timings of the whole call."""
         request = call.request
-        await wait_saves(self.kv, request.request_id)
+        if request.first_scheduled is not None:
+            request.stages.add(
+                "queue_wait", wall_ns(request.arrival), wall_ns(request.first_scheduled)
+            )
+        if request.first_token is not None:
+            request.stages.add(
+                "decode", wall_ns(request.first_token), tokens=len(request.output_token_ids)
+            )
+        if handover.kv_handover:  # the decode stage reads what this one writes
+            with request.stages.time("kv_send"):
+                await wait_saves(self.kv, request.request_id)
+        else:
+            await wait_saves(self.kv, request.request_id)
         if handover.kv_handover and request.rope is not None:  # the decode stage's positions
             out.rope_delta = self.engine.runner.model_state.rope_delta(request.rope)
         if call.embedding_wait is not None:

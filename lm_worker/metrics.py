@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from common.tracing import StageMetrics
+
 
 class EngineMetrics:
     def __init__(self, registry: CollectorRegistry | None = REGISTRY):
         kw = {"registry": registry}
+        self.stages = StageMetrics("lm", registry)  # epd_stage_seconds{role="lm"}
         self.ttft = Histogram(
             "epd_lm_time_to_first_token_seconds",
             "LM worker: arrival to first token",

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.tracing import Stages
 from models.media import MMFeature
 from models.sampling import Draws, SamplingParams
 
@@ -51,6 +52,8 @@ class Request:
     first_scheduled: float | None = None
     first_token: float | None = None
     num_preemptions: int = 0
+    # Stages the engine thread records (prefill chunks), exported when it ends (common/tracing.py).
+    stages: Stages = field(default_factory=Stages)
 
     @property
     def num_prompt_tokens(self) -> int:

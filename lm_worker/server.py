@@ -18,6 +18,7 @@ import uuid
 import grpc
 import numpy as np
 
+from common import tracing
 from common.cluster_auth import required_token
 from common.config import ClusterConfig, parse_address
 from common.media import MODALITY_NAMES
@@ -274,6 +275,16 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
 
     async def Generate(self, request: epd_pb2.LMGenerateRequest, context):
         async with self.role.work(context):
+            tracer = tracing.tracer()
+            span = tracer.start(
+                "lm.generate",
+                tracer.extract(context.invocation_metadata()),
+                worker=self.name,
+                prompt_tokens=len(request.prompt_token_ids),
+                items=len(request.mm_features),
+                kv_handover=request.kv_handover,
+            )
+            req = None
             try:
                 req = to_request(request)
                 handover = Handover(
@@ -293,6 +304,12 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
                 if code is None:
                     raise
                 await context.abort(code, str(e))
+            finally:
+                if req is not None:
+                    self.engine.metrics.stages.observe(req.stages)
+                    tracer.end(span, req.stages, output_tokens=len(req.output_token_ids))
+                else:
+                    tracer.end(span)
 
     async def Abort(self, request: epd_pb2.AbortRequest, context) -> epd_pb2.AbortResponse:
         """Abort a request in any state: waiting for its embeddings (the wait is cancelled and

@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from common import tracing
 from common.config import ClusterConfig
 from common.media import MODALITIES
 from common.served_model import ServedModel
@@ -131,11 +132,13 @@ class Proxy:
         Hashing media, reading its headers and tokenizing long text is CPU work: off the event
         loop. A short text-only prompt costs tens of microseconds, less than the hop to a
         thread."""
+        started = tracing.now_ns()
         if not media and _chars(prompt) < INLINE_CHARS:
             prepared = build(prompt, media, *args, **kwargs)
         else:
             prepared = await asyncio.to_thread(build, prompt, media, *args, **kwargs)
         check_prepared(prepared, self.limits())
+        prepared.stages.add("validate", started, items=len(prepared.items))
         return prepared
 
     async def run(self, prepared: PreparedRequest, timeout: float | None) -> AsyncIterator[Chunk]:
@@ -149,6 +152,16 @@ class Proxy:
         self.pending += 1
         self.metrics.pending.set(self.pending)
         first = last = None
+        stages = prepared.stages
+        prepared.span = tracing.tracer().start(
+            "proxy.request",
+            prepared.trace_parent,
+            stages[0].start if stages else None,
+            request_id=prepared.request_id,
+            items=len(prepared.items),
+            prompt_tokens=len(prepared.prompt_token_ids),
+        )
+        finish = None
         try:
             async for chunk in self.frontend.generate(prepared, deadline):
                 now = time.monotonic()
@@ -164,7 +177,14 @@ class Proxy:
                         chunk.timings.time_to_first_token_seconds = first - prepared.arrival
                         chunk.timings.decode_seconds = now - first
                     chunk.timings.total_seconds = now - prepared.arrival
+                    finish = chunk
                 yield chunk
         finally:
             self.pending -= 1
             self.metrics.pending.set(self.pending)
+            self.metrics.stages.observe(stages)
+            attributes = {"finished": finish is not None}
+            if finish is not None and finish.usage is not None:
+                attributes["completion_tokens"] = finish.usage.completion_tokens
+                attributes["held_items"] = finish.usage.mm_items_held
+            tracing.tracer().end(prepared.span, stages, **attributes)

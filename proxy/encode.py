@@ -30,9 +30,11 @@ import secrets
 import socket
 import time
 from collections import defaultdict
+from typing import Any
 
 import grpc
 
+from common import tracing
 from common.media import media_to_proto
 from common.signing import HashSigner
 from connector import AsyncECConnector, ConnectorError, StoreUnavailable
@@ -85,14 +87,15 @@ class EncodeDispatcher:
         self.signer: HashSigner | None = None
 
     def submit(
-        self, items: list[PreparedItem], deadline: float
+        self, items: list[PreparedItem], deadline: float, parent: Any = None
     ) -> tuple[list[asyncio.Future], list[bool]]:
         """Futures of EncodeResult, one per item; and per item whether it joined an encode
         already in flight (single flight).
 
         `deadline` is the dispatch's own (the proxy's request timeout from now), never the
         first joiner's: an encode is shared, and one impatient client must not fail it for
-        every request waiting on it (each waits under its own deadline)."""
+        every request waiting on it (each waits under its own deadline). `parent`: the span
+        the encode calls' spans are children of (common/tracing.py; None when off)."""
         loop = asyncio.get_running_loop()
         futures, new, joined = [], [], []
         for item in items:
@@ -103,14 +106,16 @@ class EncodeDispatcher:
                 new.append(item)
             futures.append(future)
         if new:
-            self._spawn(self._claim_and_encode(new, deadline))
+            self._spawn(self._claim_and_encode(new, deadline, parent))
         return futures, joined
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         task.add_done_callback(_log_crash)
 
-    async def _claim_and_encode(self, items: list[PreparedItem], deadline: float) -> None:
+    async def _claim_and_encode(
+        self, items: list[PreparedItem], deadline: float, parent: Any
+    ) -> None:
         try:
             claimed = await self.connector.claim(
                 [i.mm_hash for i in items], self.owner, self.mark_ttl_ms
@@ -129,16 +134,16 @@ class EncodeDispatcher:
         self.metrics.encode_marks.labels("claimed").inc(len(mine))
         self.metrics.encode_marks.labels("followed").inc(len(others))
         for item in others:
-            self._spawn(self._follow(item, deadline))
+            self._spawn(self._follow(item, deadline, parent))
         if mine:
-            await self._encode_marked(mine, deadline)
+            await self._encode_marked(mine, deadline, parent)
 
-    async def _encode_marked(self, items: list[PreparedItem], deadline: float) -> None:
+    async def _encode_marked(self, items: list[PreparedItem], deadline: float, parent: Any) -> None:
         """Encode items whose marks this proxy holds, keeping the marks alive meanwhile."""
         hashes = [i.mm_hash for i in items]
         keeper = asyncio.create_task(self._keep_marks(hashes))
         try:
-            await self._dispatch(items, deadline)
+            await self._dispatch(items, deadline, parent)
         finally:
             keeper.cancel()
             with contextlib.suppress(ConnectorError):
@@ -152,7 +157,7 @@ class EncodeDispatcher:
             except ConnectorError as e:
                 logger.warning("could not extend the encoding marks: %s", e)
 
-    async def _follow(self, item: PreparedItem, deadline: float) -> None:
+    async def _follow(self, item: PreparedItem, deadline: float, parent: Any) -> None:
         """Another proxy is encoding `item`: wait for its publication, and take the encode over
         if that proxy's mark lapses first."""
         h = item.mm_hash
@@ -182,7 +187,7 @@ class EncodeDispatcher:
             if ours:
                 logger.info("taking over the encode of %s: its mark lapsed unpublished", h)
                 self.metrics.encode_marks.labels("taken_over").inc()
-                await self._encode_marked([item], deadline)
+                await self._encode_marked([item], deadline, parent)
                 return
 
     def _resolve(self, mm_hash: str, result: epd_pb2.EncodeResult) -> None:
@@ -190,7 +195,7 @@ class EncodeDispatcher:
         if future is not None and not future.done():
             future.set_result(result)
 
-    async def _dispatch(self, items: list[PreparedItem], deadline: float) -> None:
+    async def _dispatch(self, items: list[PreparedItem], deadline: float, parent: Any) -> None:
         groups: dict[str, list[PreparedItem]] = defaultdict(list)
         assigned: dict[str, int] = defaultdict(int)
         # Briefly wait for an encoder to come up (a restart, a registration).
@@ -203,11 +208,19 @@ class EncodeDispatcher:
             groups[worker.address].append(item)
             assigned[worker.address] += item.grid.num_tokens
         await asyncio.gather(
-            *(self._call(self.pool.workers[a], group, deadline) for a, group in groups.items())
+            *(
+                self._call(self.pool.workers[a], group, deadline, parent)
+                for a, group in groups.items()
+            )
         )
 
     async def _call(
-        self, worker: Worker, items: list[PreparedItem], deadline: float, attempt: int = 0
+        self,
+        worker: Worker,
+        items: list[PreparedItem],
+        deadline: float,
+        parent: Any,
+        attempt: int = 0,
     ) -> None:
         tokens = sum(i.grid.num_tokens for i in items)
         sign = self.signer.sign if self.signer is not None else lambda _h: b""
@@ -221,9 +234,22 @@ class EncodeDispatcher:
         )
         worker.sent(tokens)
         started = time.perf_counter()
+        tracer = tracing.tracer()
+        span = tracer.start(
+            "encode_call",
+            parent,
+            encoder=worker.address,
+            items=len(items),
+            tokens=tokens,
+            attempt=attempt,
+            mm_hashes=[i.mm_hash for i in items],
+        )
+        reply = None
         try:
             reply = await worker.stub.Encode(
-                request, timeout=max(deadline - time.monotonic(), 0.01)
+                request,
+                timeout=max(deadline - time.monotonic(), 0.01),
+                metadata=tracer.metadata(span),
             )
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             if isinstance(e, asyncio.CancelledError):
@@ -235,6 +261,8 @@ class EncodeDispatcher:
             else:
                 code, details = e.code(), e.details()
             self.pool.failed(worker, f"Encode: {code.name}: {details}")
+            tracer.end(span, answered=False, error=f"{code.name}: {details}")
+            span = None  # a retry is a span of its own
             if code not in RETRYABLE or attempt + 1 >= self.retries:
                 self._fail(items, Unavailable(f"encoder {worker.address}: {code.name}: {details}"))
                 return
@@ -247,10 +275,11 @@ class EncodeDispatcher:
             logger.info(
                 "retrying %d items on %s (%s failed)", len(items), other.address, worker.address
             )
-            await self._call(other, items, deadline, attempt + 1)
+            await self._call(other, items, deadline, parent, attempt + 1)
             return
         finally:
             worker.finished(tokens)
+            tracer.end(span, answered=reply is not None)
         self.metrics.encode_dispatch.observe(time.perf_counter() - started)
         self.pool.succeeded(worker)
         for item, result in zip(items, reply.results, strict=True):

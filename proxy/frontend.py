@@ -26,6 +26,7 @@ from functools import partial
 
 import grpc
 
+from common import tracing
 from connector import AsyncECConnector, ConnectorError, StoreUnavailable
 from proto import epd_pb2
 from proxy.affinity import Affinity, PromptChains
@@ -119,8 +120,10 @@ class Frontend:
         usage = epd_pb2.Usage(mm_items=len(req.items))
         timings = epd_pb2.StageTimings(preprocess_seconds=req.preprocess_seconds)
         encodes: list[asyncio.Future] = []
+        encode_stage = None
         if req.items:
             started = time.perf_counter()
+            checked = tracing.now_ns()
             hashes = [i.mm_hash for i in req.items]
             try:
                 held = await self.connector.has_many(hashes)
@@ -133,9 +136,14 @@ class Frontend:
                 held = [False] * len(hashes)
             timings.cache_lookup_seconds = time.perf_counter() - started
             missing = [i for i, h in zip(req.items, held, strict=True) if not h]
+            req.stages.add("cache_check", checked, items=len(hashes), held=sum(held))
             self._count(usage, "held", len(req.items) - len(missing))
             if missing:
-                encodes, joined = self.dispatcher.submit(missing, self._encode_deadline())
+                encode_stage = req.stages.begin("encode", req.span, items=len(missing))
+                encodes, joined = self.dispatcher.submit(
+                    missing, self._encode_deadline(), encode_stage.span
+                )
+                encode_stage.attributes["deduplicated"] = sum(joined)
                 self._count(usage, "deduplicated", sum(joined))
                 for future, was_joined in zip(encodes, joined, strict=True):
                     future.add_done_callback(_consume)  # retrieved even if this request ends
@@ -144,7 +152,7 @@ class Frontend:
         encode_started = time.perf_counter()
         if encodes:
             encode_watch = asyncio.ensure_future(
-                self._encodes_done(encodes, timings, encode_started)
+                self._encodes_done(encodes, timings, encode_started, req.stages, encode_stage)
             )
         else:  # nothing to wait for: the relay below takes its direct path
             encode_watch = asyncio.get_running_loop().create_future()
@@ -180,12 +188,19 @@ class Frontend:
         held = future.result().outcome == epd_pb2.ENCODE_OUTCOME_HELD
         self._count(usage, "held" if held else "encoded", 1)
 
-    async def _encodes_done(self, encodes, timings: epd_pb2.StageTimings, started: float) -> None:
+    async def _encodes_done(
+        self, encodes, timings: epd_pb2.StageTimings, started: float, stages, stage
+    ) -> None:
         """Raises the first encode failure (the request is answered with it). The futures are
         shared with every request that joined the same encode: shielded, so that this request
         ending (and this watch being cancelled) leaves them to the others."""
-        await asyncio.gather(*(asyncio.shield(f) for f in encodes))
-        timings.encode_seconds = time.perf_counter() - started
+        done = False
+        try:
+            await asyncio.gather(*(asyncio.shield(f) for f in encodes))
+            timings.encode_seconds = time.perf_counter() - started
+            done = True
+        finally:
+            stages.finish(stage, done=done)
 
     def _lm_message(self, req: PreparedRequest, lm_id: str, sent: list[int], sent_chars: int):
         """The LM request: the prompt, and after a migration the tokens already sent appended
@@ -268,7 +283,20 @@ class Frontend:
             tokens = len(msg.prompt_token_ids)
             worker.sent(tokens)
             running.call = (lm_id, worker)
-            call = worker.stub.Generate(msg, timeout=max(deadline - time.monotonic(), 0.01))
+            lm_stage = req.stages.begin(
+                "lm_call",
+                req.span,
+                worker=worker.address,
+                attempt=attempt,
+                stage=stage or "both",
+                prompt_tokens=tokens,
+                resumed_tokens=carried,
+            )
+            call = worker.stub.Generate(
+                msg,
+                timeout=max(deadline - time.monotonic(), 0.01),
+                metadata=tracing.tracer().metadata(lm_stage.span),
+            )
             handed_over = False
             try:
                 async for chunk in self._relay(call, req, deadline, encode_watch):
@@ -321,6 +349,7 @@ class Frontend:
                 await asyncio.sleep(backoff(attempt))
             finally:
                 worker.finished(tokens, generated=len(sent) - carried)
+                req.stages.finish(lm_stage, output_tokens=len(sent) - carried)
                 running.call = None
                 call.cancel()  # no-op when finished; aborts the LM request otherwise
 

@@ -36,6 +36,7 @@ import grpc
 import prometheus_client
 from aiohttp import web
 
+from common import tracing
 from common.server import RoleServer
 from models import AudioClip, MediaError, MediaInput
 from proto import epd_pb2
@@ -260,6 +261,7 @@ class HttpApi:
         prepared = await proxy.prepare(
             proxy.builder.build, "", media, sampling, request_id, False, return_ids
         )
+        prepared.trace_parent = tracing.tracer().extract(request.headers)
         chunks = proxy.run(prepared, None)
         if str(form.get("stream", "")).lower() in ("1", "true"):
             return await self._transcript_events(request, prepared, chunks)
@@ -362,6 +364,7 @@ class HttpApi:
             return_ids,
             tenant=tenant,
         )
+        prepared.trace_parent = tracing.tracer().extract(request.headers)
         chunks = proxy.run(prepared, None)
         if parsed.stream:
             return await self._stream(request, prepared, chunks, parsed.include_usage)

@@ -10,6 +10,8 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from common.tracing import StageMetrics
+
 # The raw TTFT / ITL values behind the dashboard's percentiles: the last minute, bounded.
 LATENCY_WINDOW_SECONDS = 60.0
 LATENCY_SAMPLES = 20_000
@@ -45,6 +47,7 @@ TOKEN_GAPS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.
 class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry | None = REGISTRY):
         kw = {"registry": registry}
+        self.stages = StageMetrics("proxy", registry)  # epd_stage_seconds{role="proxy"}
         self.requests = Counter(
             "epd_requests_total", "Requests by API and final status", ["api", "status"], **kw
         )

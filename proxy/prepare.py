@@ -22,6 +22,7 @@ from typing import Any
 
 from common.media import MODALITIES
 from common.served_model import ServedModel
+from common.tracing import Stages
 from models import MediaError, MediaGrid, MediaInput, expand_placeholders
 from proto import epd_pb2
 
@@ -72,6 +73,11 @@ class PreparedRequest:
     # Who may abort it (proxy/server.py): a key, or the connection that started it; "" for
     # HTTP requests, which no Abort names (their client ends one by going away).
     owner: str = ""
+    # Where its time goes (common/tracing.py): the client's trace context (`traceparent`),
+    # the proxy's span for it and its stages here.
+    trace_parent: Any = None
+    span: Any = None
+    stages: Stages = field(default_factory=Stages)
 
     def item(self, mm_hash: str) -> PreparedItem:
         return next(i for i in self.items if i.mm_hash == mm_hash)

@@ -13,6 +13,7 @@ import logging
 
 import grpc
 
+from common import tracing
 from common.config import ClusterConfig
 from common.media import media_from_proto
 from common.served_model import resolve_model
@@ -90,6 +91,7 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
                     tenant=principal.tenant,
                 )
                 prepared.owner = self.owner(principal, context)
+                prepared.trace_parent = tracing.tracer().extract(context.invocation_metadata())
                 first = True
                 async for chunk in proxy.run(prepared, context.time_remaining()):
                     msg = to_response(prepared.request_id, chunk)
