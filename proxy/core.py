@@ -25,6 +25,7 @@ from proxy.frontend import Chunk, Frontend
 from proxy.metrics import ProxyMetrics
 from proxy.prepare import ChatMessage, PreparedRequest, RequestBuilder
 from proxy.realtime import RealtimeService
+from proxy.timeline import Timeline
 from proxy.validate import Limits, check_prepared
 from proxy.workers import WorkerPool
 
@@ -95,6 +96,7 @@ class Proxy:
         self.pending = 0
         self.context = c.lm.context_length(family.text.max_position_embeddings)
         self.realtime = RealtimeService(self)
+        self.timeline = Timeline()  # the dashboard's slowest recent requests
 
     async def start(self) -> None:
         await self.encoders.start()
@@ -188,3 +190,5 @@ class Proxy:
                 attributes["completion_tokens"] = finish.usage.completion_tokens
                 attributes["held_items"] = finish.usage.mm_items_held
             tracing.tracer().end(prepared.span, stages, **attributes)
+            timings = finish.timings if finish is not None else None
+            self.timeline.add(prepared.request_id, stages, timings, ok=finish is not None)

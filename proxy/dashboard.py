@@ -53,7 +53,13 @@ Everything is bounded: an hour of traffic or 50 workers cost what 15 minutes and
                   "ttft": {"count": 9, "p50": 0.08, "p95": 0.2, "p99": 0.2},  # seconds
                   "itl": {...}},
       "history": {"interval_seconds": 1.0, "capacity": 900, "t": [1760000000.0, ...],
-                  "series": {name: [value | null, ...] for name in SERIES}}
+                  "series": {name: [value | null, ...] for name in SERIES}},
+      "timeline": {"window_seconds": 60, "requests": 12, "mean_seconds": 0.4,  # proxy/timeline.py
+                   "breakdown": {"proxy encode": 0.1, "lm prefill": 0.05, ...},  # s / request
+                   "slowest": [{"request_id": "req-...", "ended": 1760000000.0,
+                                "total_seconds": 0.9, "ok": true,
+                                "stages": [{"name": "validate", "role": "proxy",
+                                            "start": 0.0, "seconds": 0.002}, ...]}]}
     }
 
 Until the proxy has loaded, "proxy" is {"model": "", "serving": false, "status": "starting"} and
@@ -397,6 +403,7 @@ class Dashboard:
         state["workers"] = [_worker(w, now) for w in workers]
         state["cache"] = self._cache(proxy)
         state["traffic"] = self._traffic(proxy, now)
+        state["timeline"] = proxy.timeline.state(now)
         return state
 
     def _cache(self, proxy: Proxy) -> dict[str, Any]:

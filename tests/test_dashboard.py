@@ -76,9 +76,9 @@ def dump_dom(url: str) -> Dom:
     return Dom(out.stdout)
 
 
-def screenshot(url: str, name: str, size: str) -> Path:
-    ARTIFACTS.mkdir(exist_ok=True)
-    path = ARTIFACTS / name
+def screenshot(url: str, name: str, size: str, folder: Path = ARTIFACTS) -> Path:
+    folder.mkdir(exist_ok=True)
+    path = folder / name
     path.unlink(missing_ok=True)
     args = chromium_args(url, f"--screenshot={path}", f"--window-size={size}")
     out = subprocess.run(args, capture_output=True, text=True, timeout=60)
@@ -288,6 +288,71 @@ def test_page_in_chromium_shows_workers_hit_rate_and_a_killed_worker(cluster, tr
     screenshot(url, "dashboard-worker-down.png", "1440,1320")
 
 
+def generate_as(cluster: Cluster, request_id: str, text: str, images=(), max_tokens: int = 8):
+    """A chat request under a request id of the client's choosing (through the gRPC API)."""
+    request = epd_pb2.GenerateRequest(
+        request_id=request_id,
+        media=[epd_pb2.MediaItem(image=b) for b in images],
+        sampling=epd_pb2.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens),
+    )
+    parts = [epd_pb2.ContentPart(media_index=i) for i in range(len(images))]
+    parts.append(epd_pb2.ContentPart(text=text))
+    request.chat.messages.add(role="user", content=parts)
+    return list(cluster.stub.Generate(request, timeout=60))
+
+
+def test_page_in_chromium_shows_where_time_goes_and_the_slowest_requests(
+    cluster, traffic, tmp_path
+):
+    """The timeline: a stacked bar of the last minute's mean time per stage, and a waterfall
+    per slow request. A request id is the client's: the page shows it as text, never markup.
+    (It runs after a worker was killed above: one encoder is enough for these requests.)"""
+    needs_chromium()
+    slow_id = 'req-<b class="x">slow</b> & "long"'
+    cluster.generate("A quick one", max_tokens=4)
+    generate_as(cluster, "req-image", "Describe it", [image_bytes(48, 48, seed=21)])
+    # The slowest request in the window by far (a cold first request takes some 0.4 s; 600
+    # tokens decode in about 1 s on a loaded CPU): the first waterfall the page draws.
+    generate_as(cluster, slow_id, "Describe it", [image_bytes(64, 48, seed=22)], max_tokens=600)
+
+    def timed(s: dict) -> bool:
+        return any(r["request_id"] == slow_id for r in s["timeline"]["slowest"])
+
+    timeline = wait_state(cluster, timed, "the slow request never reached the timeline")["timeline"]
+    slowest = timeline["slowest"][0]
+    assert slowest["request_id"] == slow_id, [
+        (r["request_id"], r["total_seconds"]) for r in timeline["slowest"]
+    ]
+    names = [b["name"] for b in slowest["stages"]]
+    for name in ("validate", "cache_check", "encode", "lm_call", "prefill", "decode"):
+        assert name in names, names
+    assert timeline["requests"] >= 3 and timeline["mean_seconds"] > 0
+    assert {"proxy validate", "proxy lm_call", "lm decode"} <= set(timeline["breakdown"])
+
+    url = f"http://127.0.0.1:{cluster.proxy_http}/dashboard"
+    dom = dump_dom(url)
+    assert re.search(r"\d+ requests in the last 60 s · mean [\d.]+ m?s", dom.text["timeline-note"])
+    bars = dom.text["timeline-bar"]
+    assert "proxy ·" in bars and "LM worker" in bars, bars
+    legend = dom.text["timeline-legend"]
+    for key in ("proxy validate", "proxy encode", "proxy lm_call", "lm prefill", "lm decode"):
+        assert key in legend, legend
+    assert re.search(r"proxy lm_call [\d.]+ ms", legend), legend
+
+    first = dom.text["waterfall-0"]  # the slowest request's block, its id as plain text
+    assert first.startswith(slow_id), first
+    for name in ("validate", "cache_check", "encode", "lm_call", "prefill", "decode"):
+        assert name in first, first
+    assert "proxy" in first and "lm" in first and " ok " in f"{first} "
+    assert re.search(r"decode lm [\d.]+ ms", first), first
+    waterfalls = [k for k in dom.text if k.startswith("waterfall-")]
+    assert len(waterfalls) == min(8, len(timeline["slowest"])) >= 3
+    assert any("req-image" in dom.text[k] for k in waterfalls)
+
+    shot = screenshot(url, "dashboard-timeline.png", "1440,2400", folder=tmp_path)
+    assert shot.stat().st_size > 30_000
+
+
 # -- in-process: before the proxy loads ------------------------------------------------------
 
 
@@ -446,6 +511,8 @@ async def test_page_with_50_workers_and_an_hour_of_data_in_chromium(big_proxy):
         assert float(dom.text["kpi-rps"]) > 0
         assert dom.text["hit-proxy"] == "70.6%"
         assert f"{HISTORY_SECONDS} kept" in dom.text["history-note"]
+        assert dom.text["timeline-bar"] == "no requests in the last 60 s"
+        assert dom.text["waterfalls"] == ""
 
         ARTIFACTS.mkdir(exist_ok=True)
         shot = ARTIFACTS / "dashboard-50-workers.png"
@@ -493,5 +560,7 @@ def test_grafana_dashboard_queries_only_metrics_the_cluster_exports():
         "epd_ec_lookups_total",
         "epd_lm_kv_blocks_used",
         "epd_encoder_tower_seconds_sum",
+        "epd_stage_seconds_sum",
+        "epd_stage_seconds_bucket",
     ):
         assert name in used, name
