@@ -110,7 +110,8 @@ def test_bench_lm(tiny_checkpoint):
 
 
 @pytest.mark.timeout(300)
-def test_bench_proxy(tiny_checkpoint):
+def test_bench_proxy(tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # the traced roles export at once
     summary = bench(
         "proxy",
         "--model",
@@ -123,6 +124,9 @@ def test_bench_proxy(tiny_checkpoint):
         "56",
         "--prefix-words",
         "20",
+        "--tracing",
+        "--tracing-tokens",
+        "2",
         "--grpc-port",
         str(free_port()),
         "--http-port",
@@ -130,6 +134,14 @@ def test_bench_proxy(tiny_checkpoint):
     )
     assert summary["proxy_p50_ms"] > 0 and summary["held_vs_cold_ttft"] > 0
     assert summary["overlap_vs_serial_ttft"] > 0 and summary["overlap_prompt_tokens"] > 0
+    # Tracing on exported every role's spans of each traced request to the bench's receiver;
+    # off, none of the same requests' spans arrived.
+    assert summary["tracing_on_vs_off_ttft"] > 0 and summary["tracing_on_vs_off_total"] > 0
+    assert summary["tracing_spans_per_request_off"] == 0
+    by_service = summary["tracing_spans_per_request_by_service"]
+    assert set(by_service) == {"epd-proxy", "epd-encoder", "epd-lm"}
+    assert all(n >= 1 for n in by_service.values())
+    assert summary["tracing_spans_per_request_on"] == sum(by_service.values())
 
 
 @pytest.mark.timeout(300)
@@ -175,6 +187,26 @@ def test_bench_serve(tiny_checkpoint, tmp_path):
         (t, rate) for t in ("e+pd", "e+p+d") for rate in ("inf", 10.0)
     }
     assert plot.read_bytes().startswith(b"\x89PNG")
+    # Where each point's time went: every role's stages, read off the roles' /metrics in a
+    # cluster (the aggregated server's own clocks), per request of that point.
+    lm_groups = {"e+pd": ("lm",), "e+p+d": ("prefill", "decode"), "aggregated": ("aggregated",)}
+    for row in rows:
+        stages = row["stages"]
+        means = stages["seconds"]
+        assert all(s >= 0 for group in means.values() for s in group.values()), row
+        assert stages["per_request"].keys() == means.keys()
+        for group in lm_groups[row["topology"]]:
+            assert {"prefill_chunk", "decode"} <= set(means[group]), row
+        if row["topology"] == "aggregated":
+            assert set(means) == {"aggregated"}
+            assert {"preprocess", "encode", "queue_wait"} <= set(means["aggregated"])
+            continue
+        assert list(means) == ["proxy", "encoder", *lm_groups[row["topology"]]], row
+        assert next(iter(means["proxy"])) == "validate" and "lm_call" in means["proxy"]
+        assert stages["per_request"]["proxy"]["validate"] == 1
+        calls = 2 if row["topology"] == "e+p+d" else 1  # a prefill call, then a decode call
+        assert stages["per_request"]["proxy"]["lm_call"] == calls, row
+        assert means["proxy"]["lm_call"] > 0 and "tower" in means["encoder"]
 
 
 def test_bench_connector_cluster(redis_cluster):

@@ -16,9 +16,13 @@ the same cores and model:
 
 Per topology, rate and reuse ratio: throughput, goodput (requests meeting the TTFT and TPOT
 targets), time to first token, inter-token latency, time per output token and end-to-end
-latency at p50 / p90 / p99, and the share of images served from the cache. A progress line runs
-on stderr; `--plot out.png` draws latency against request rate per topology. The last line is
-one JSON object.
+latency at p50 / p90 / p99, the share of images served from the cache, and where a request's
+time went: each role's stages (common/tracing.py), mean seconds per request. In a cluster those
+come from `epd_stage_seconds` on the proxy's /metrics and every worker's metrics port (the bench
+gives each worker one), the difference of the sums across the point; in `aggregated`, from the
+server's own clocks (its preprocessing and encoding, and the LM request's queue, prefill chunks
+and decode, as the LM worker measures them). A progress line runs on stderr; `--plot out.png`
+draws latency against request rate per topology. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import math
 import random
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,9 +44,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.config import LMConfig, load_config
 from common.device import resolve_device
+from common.process import free_port
 from common.served_model import ServedModel, ensure_bench_model
 from common.server import GRPC_OPTIONS
 from encoder_worker.tower import Tower
@@ -226,6 +233,7 @@ class AggregatedServer:
         self.lm = lm
         self.family = family
         self.count = 0
+        self.stages = ClockedStages("aggregated")
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         def emit(items):
@@ -241,9 +249,8 @@ class AggregatedServer:
         sampling = epd_pb2.SamplingParams(
             max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True
         )
-        loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(
-            self.encode_thread,
+        prepared = await self._on_encoder_thread(
+            "preprocess",
             self.builder.build,
             [ChatMessage("user", tuple(parts))],
             media,
@@ -251,16 +258,43 @@ class AggregatedServer:
             f"agg-{self.count}",
         )
         held = sum(item.mm_hash in self.cache for item in prepared.items)
-        embeddings = await loop.run_in_executor(self.encode_thread, self._encode, prepared)
+        embeddings = await self._on_encoder_thread("encode", self._encode, prepared)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.engine.add_request(to_request(prepared.lm_request()), queue.put_nowait, embeddings)
+        lm_request = to_request(prepared.lm_request())
+        self.engine.add_request(lm_request, queue.put_nowait, embeddings)
         while True:
             out = await queue.get()
             if out.error:
                 raise RuntimeError(out.error)
+            if out.finish_reason is not None:
+                self._lm_stages(lm_request, time.monotonic())
             yield len(out.token_ids), len(prepared.items), held
             if out.finish_reason is not None:
                 return
+
+    async def _on_encoder_thread(self, stage: str, fn, *args):
+        """`fn(*args)` on the encoder thread: its time there is `stage`, its wait for the
+        thread `encoder_wait`."""
+
+        def timed():
+            began = time.perf_counter()
+            return fn(*args), began, time.perf_counter()
+
+        submitted = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        out, began, ended = await loop.run_in_executor(self.encode_thread, timed)
+        self.stages.add("encoder_wait", began - submitted)
+        self.stages.add(stage, ended - began)
+        return out
+
+    def _lm_stages(self, request, ended: float) -> None:
+        """The LM request's stages as an LM worker records them (lm_worker/frontend.py)."""
+        if request.first_scheduled is not None:
+            self.stages.add("queue_wait", request.first_scheduled - request.arrival)
+        for stage in request.stages:  # the prefill chunks the engine recorded
+            self.stages.add(stage.name, stage.seconds)
+        if request.first_token is not None:
+            self.stages.add("decode", ended - request.first_token)
 
     def _encode(self, prepared) -> dict:
         missing = [i for i in prepared.items if i.mm_hash not in self.cache]
@@ -276,6 +310,123 @@ class AggregatedServer:
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         self.encode_thread.shutdown()
+
+
+# -- where a request's time went -----------------------------------------------------------------
+
+# Each role's stages in the order a request meets them (common/tracing.py); any other follows.
+STAGE_ORDER = {
+    "proxy": ("validate", "cache_check", "encode", "lm_call"),
+    "encoder": ("held_check", "preprocess", "queue_wait", "tower", "publish"),
+    "lm": ("kv_prefetch", "embedding_wait", "queue_wait", "prefill_chunk", "decode", "kv_send"),
+    "aggregated": ("encoder_wait", "preprocess", "encode", "queue_wait", "prefill_chunk", "decode"),
+}
+# The groups a breakdown reports, in request order; prefill and decode workers are LM workers.
+GROUPS = ("proxy", "encoder", "lm", "prefill", "decode", "aggregated")
+GROUP_ROLE = {"prefill": "lm", "decode": "lm"}
+METRICS_PORT_ENV = {"encoder": "EPD_ENCODER_METRICS_PORT", "lm": "EPD_LM_METRICS_PORT"}
+STAGES_NOTE = (
+    "stages.seconds: the mean seconds a request of the point spent in each stage of each role "
+    "(the stage's total over the point / requests sent); stages.per_request: the stage's "
+    "observations per request (encoder stages count per image, prefill_chunk per chunk, lm_call "
+    "per LM call: 2 in e+p+d). A role's stage holds its callees': the proxy's encode spans the "
+    "encoder's stages, its lm_call the LM worker's."
+)
+
+Totals = dict[tuple[str, str], tuple[float, float]]  # (group, stage) -> (seconds, observations)
+
+
+class StageTotals:
+    """Where a point's breakdown comes from: here nothing (a --target proxy, whose /metrics
+    address the bench does not know)."""
+
+    source = "none: a --target proxy (the bench does not know its /metrics)"
+
+    async def totals(self) -> Totals:
+        return {}
+
+
+class ScrapedStages(StageTotals):
+    """`epd_stage_seconds` sums and counts read off each role's /metrics, the workers of a group
+    (encoders, LM workers, prefill or decode workers) added up."""
+
+    source = "epd_stage_seconds from the proxy's /metrics and every worker's metrics port"
+
+    def __init__(self, urls: dict[str, list[str]]):
+        self.urls = urls  # group -> its roles' /metrics
+
+    async def totals(self) -> Totals:
+        """Once two reads 0.2 s apart agree (for at most 5 s): a role observes a request's
+        stages just after its last message leaves, so a read right after the load can miss the
+        last few."""
+        last = await asyncio.to_thread(self._read)
+        for _ in range(25):
+            await asyncio.sleep(0.2)
+            now = await asyncio.to_thread(self._read)
+            if now == last:
+                break
+            last = now
+        return last
+
+    def _read(self) -> Totals:
+        out: dict[tuple[str, str], list[float]] = {}
+        for group, urls in self.urls.items():
+            for url in urls:
+                with urllib.request.urlopen(url, timeout=10) as reply:
+                    text = reply.read().decode()
+                for family in text_string_to_metric_families(text):
+                    if family.name != "epd_stage_seconds":
+                        continue
+                    for sample in family.samples:
+                        kind = sample.name.removeprefix(family.name)
+                        if kind in ("_sum", "_count"):
+                            total = out.setdefault((group, sample.labels["stage"]), [0.0, 0.0])
+                            total[kind == "_count"] += sample.value
+        return {key: (seconds, count) for key, (seconds, count) in out.items()}
+
+
+class ClockedStages(StageTotals):
+    """Stages a process times itself (the aggregated server: one process, no /metrics)."""
+
+    source = "the aggregated server's own clocks (one process: no /metrics)"
+
+    def __init__(self, group: str):
+        self.group = group
+        self._totals: dict[tuple[str, str], list[float]] = {}
+
+    def add(self, stage: str, seconds: float) -> None:
+        total = self._totals.setdefault((self.group, stage), [0.0, 0.0])
+        total[0] += max(seconds, 0.0)
+        total[1] += 1
+
+    async def totals(self) -> Totals:
+        return {key: (seconds, count) for key, (seconds, count) in self._totals.items()}
+
+
+def stage_breakdown(before: Totals, after: Totals, requests: int) -> dict:
+    """{group: {stage: mean seconds per request}} and {group: {stage: observations per
+    request}} over what happened between `before` and `after`, in request order."""
+    seconds: dict[str, dict[str, float]] = {}
+    per_request: dict[str, dict[str, float]] = {}
+    for group, stage in sorted(after, key=_stage_key):
+        total, count = after[group, stage]
+        total_before, count_before = before.get((group, stage), (0.0, 0.0))
+        if count <= count_before:
+            continue  # not run at this point
+        seconds.setdefault(group, {})[stage] = round((total - total_before) / requests, 6)
+        per_request.setdefault(group, {})[stage] = round((count - count_before) / requests, 3)
+    return {"seconds": seconds, "per_request": per_request}
+
+
+def _stage_key(key: tuple[str, str]) -> tuple:
+    group, stage = key
+    order = STAGE_ORDER.get(GROUP_ROLE.get(group, group), ())
+    return (
+        GROUPS.index(group) if group in GROUPS else len(GROUPS),
+        group,
+        order.index(stage) if stage in order else len(order),
+        stage,
+    )
 
 
 # -- one run -------------------------------------------------------------------------------------
@@ -364,20 +515,32 @@ async def bench_topology(topology: str, args, model_dir: Path, datasets) -> list
     if topology == "aggregated":
         client = AggregatedServer(model_dir, _lm_config(args))
         client.start(asyncio.get_running_loop())
+        stages = client.stages
     elif args.target and topology == "e+pd":
         client = ClusterClient(args.target)
+        stages = StageTotals()
     else:
         cluster = await asyncio.to_thread(_start_cluster, args, model_dir, topology == "e+p+d")
         client = ClusterClient(cluster.proxy.address)
+        stages = ScrapedStages(_metrics_urls(cluster))
     try:
         await _warm_up(client)
+        if topology == "e+p+d":
+            await _until_split(client, stages)
         for (rate, reuse), requests in datasets.items():
             label = f"{topology} rate {rate:g}/s reuse {reuse:g}"
+            before = await stages.totals()
             results, wall = await run_load(client, requests, rate, args.seed, label)
+            after = await stages.totals()
             row = {"topology": topology, "request_rate": rate, "reuse": reuse}
             row |= summarize(results, wall, args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
+            row["stages"] = {
+                "source": stages.source,
+                **stage_breakdown(before, after, len(requests)),
+            }
             rows.append(row)
             print(_line(row), flush=True)
+            print(_stage_line(row["stages"]), flush=True)
     finally:
         await client.close()
         if cluster is not None:
@@ -391,6 +554,22 @@ async def _warm_up(client) -> None:
     warm = BenchRequest("warm up", (noise_png(64, 64, rng),), 2, False)
     async for _ in client.generate(warm):
         pass
+
+
+async def _until_split(client, stages: StageTotals, timeout: float = 60.0) -> None:
+    """More warm-ups until one runs in two LM calls (prefill, then decode): the proxy splits a
+    request once both roles' load reports are in, a moment after the workers serve."""
+    deadline = time.monotonic() + timeout
+    while True:
+        before = await stages.totals()
+        await _warm_up(client)
+        after = await stages.totals()
+        key = ("proxy", "lm_call")
+        if after.get(key, (0, 0))[1] - before.get(key, (0, 0))[1] >= 2:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"e+p+d: the proxy did not split a request in {timeout:g} s")
+        await asyncio.sleep(0.5)
 
 
 def _start_cluster(args, model_dir: Path, split: bool) -> LocalCluster:
@@ -411,8 +590,21 @@ def _start_cluster(args, model_dir: Path, split: bool) -> LocalCluster:
         )
     else:
         cluster = LocalCluster(config, num_encoders=args.encoders, num_lm_workers=args.lm_workers)
+    for role in [*cluster.encoders, *cluster.lm_workers]:  # each its own /metrics
+        role.env[METRICS_PORT_ENV[role.kind]] = str(free_port())
     cluster.start()
     return cluster
+
+
+def _metrics_urls(cluster: LocalCluster) -> dict[str, list[str]]:
+    """The /metrics of each group of a cluster `_start_cluster` started."""
+    urls = {"proxy": [f"http://{cluster.host}:{cluster.config.proxy.http_port}/metrics"]}
+    for role in [*cluster.encoders, *cluster.lm_workers]:
+        group = role.name.rsplit("-", 1)[0]  # encoder, lm, prefill, decode
+        host = role.address.rsplit(":", 1)[0]
+        port = role.env[METRICS_PORT_ENV[role.kind]]
+        urls.setdefault(group, []).append(f"http://{host}:{port}/metrics")
+    return urls
 
 
 def _lm_settings(args) -> dict:
@@ -430,6 +622,26 @@ def _line(row: dict) -> str:
         f"{row['output_tps']:.1f} tok/s goodput {row['goodput_rps']:.2f}/s  TTFT p50/p99 "
         f"{row['ttft_ms']['p50']}/{row['ttft_ms']['p99']} ms  ITL p50/p99 "
         f"{row['itl_ms']['p50']}/{row['itl_ms']['p99']} ms  cache {row['cache_hit_rate']}"
+    )
+
+
+def _stage_line(stages: dict) -> str:
+    """The point's stages, in request order: mean ms per request; (xN) where a stage ran other
+    than once a request."""
+    if not stages["seconds"]:
+        return f"  stages: {stages['source']}"
+    groups = []
+    for group, means in stages["seconds"].items():
+        parts = []
+        for stage, seconds in means.items():
+            n = stages["per_request"][group][stage]
+            parts.append(
+                f"{stage} {seconds * 1e3:.2f}" + ("" if abs(n - 1) < 0.05 else f" (x{n:g})")
+            )
+        groups.append(f"{group}: " + " ".join(parts))
+    return (
+        f"  stages, mean ms per request ({stages['source']}; (xN): times a request ran it): "
+        + " | ".join(groups)
     )
 
 
@@ -509,6 +721,7 @@ def run(args: argparse.Namespace) -> int:
         "images_per_request": args.images_per_request,
         "output_tokens": args.output_tokens,
         "slo_ms": {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms},
+        "stages_note": STAGES_NOTE,
         "results": rows,
         "ratios": _ratios(rows),
     }
