@@ -383,8 +383,8 @@ class LMEngine:
                     batch_tokens=batch.total_tokens,
                 )
             request.num_computed_tokens += n
-            if request.first_scheduled is None:
-                request.first_scheduled = now
+            if request.first_scheduled is None:  # the step's start: its prefill ran from there
+                request.first_scheduled = now if began is None else began
             self.scheduler.blocks.commit_full_blocks(request)
         # The step's new blocks out, before a finish frees them.
         self.kv.save_kv(batch.requests, self.runner.attention.kv_cache)

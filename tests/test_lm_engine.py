@@ -340,3 +340,26 @@ def test_the_cpu_engine_never_imports_the_triton_kernel(tiny_checkpoint):
     engine = make_engine(tiny_checkpoint)
     assert engine.runner.attention.decode_kernel is None
     assert "lm_worker.triton_decode" not in sys.modules
+
+
+def test_a_request_records_its_prefill_chunks_and_its_prefill_time(tiny_checkpoint, cases):
+    """Each step that computes prompt tokens is a `prefill_chunk` stage (common/tracing.py),
+    and `prefill_seconds` runs from the first such step's start: a prompt prefilled in one
+    step used to report 0 (its first step and first token were stamped at the same moment)."""
+    engine = make_engine(tiny_checkpoint, max_num_batched_tokens=16)
+    whole, chunked = cases["text"].request(), cases["image"].request()
+    chunked.request_id = "chunked"
+    out = run(engine, (whole, {}), (chunked, cases["image"].embeddings))
+    for request in (whole, chunked):
+        chunks = [s for s in request.stages if s.name == "prefill_chunk"]
+        computed = request.num_prompt_tokens - request.num_cached_tokens  # a prefix-cache hit
+        assert sum(s.attributes["tokens"] for s in chunks) == computed
+        assert all(s.start < s.end for s in chunks)
+        timings = out[request.request_id].last.timings
+        assert timings["prefill_seconds"] >= chunks[-1].seconds - 1e-6 > 0
+    assert len([s for s in chunked.stages if s.name == "prefill_chunk"]) > 1
+    assert chunked.num_cached_tokens > 0  # the chat template's opening, computed by `whole`
+    alone = cases["text"].request()  # prefilled in one step
+    out = run(make_engine(tiny_checkpoint), (alone, {}))
+    (chunk,) = [s for s in alone.stages if s.name == "prefill_chunk"]
+    assert out["text"].last.timings["prefill_seconds"] >= chunk.seconds - 1e-6 > 0
