@@ -237,6 +237,15 @@ def tracer() -> Tracer:
     return TRACING
 
 
+def server_span(name: str, context: Any, **attributes: Any) -> Any:
+    """A worker's span for a call it serves, the child of the caller's span that the call's
+    gRPC metadata carries (None when tracing is off)."""
+    if not TRACING.enabled:
+        return None
+    parent = TRACING.extract(context.invocation_metadata())
+    return TRACING.start(name, parent, **attributes)
+
+
 def otlp_endpoint(configured: str | None) -> str | None:
     """Where spans go: the config's endpoint, else the standard variables'; None: off."""
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":

@@ -152,11 +152,8 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
             if self.encoder is None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is still loading")
             tracer = tracing.tracer()
-            span = tracer.start(
-                "encoder.encode",
-                tracer.extract(context.invocation_metadata()),
-                encoder=self.name,
-                items=len(request.items),
+            span = tracing.server_span(
+                "encoder.encode", context, encoder=self.name, items=len(request.items)
             )
             converted = to_items(request, self.signer)
             for c in converted:

@@ -276,9 +276,9 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
     async def Generate(self, request: epd_pb2.LMGenerateRequest, context):
         async with self.role.work(context):
             tracer = tracing.tracer()
-            span = tracer.start(
+            span = tracing.server_span(
                 "lm.generate",
-                tracer.extract(context.invocation_metadata()),
+                context,
                 worker=self.name,
                 prompt_tokens=len(request.prompt_token_ids),
                 items=len(request.mm_features),
