@@ -190,8 +190,14 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         async with self.role.work(context):
             if self.stream_encoder is None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is still loading")
-            async for response in self.stream_encoder.serve(request_iterator, context):
-                yield response
+            span = tracing.server_span("encoder.encode_stream", context, encoder=self.name)
+            responses = 0
+            try:
+                async for response in self.stream_encoder.serve(request_iterator, context):
+                    responses += 1
+                    yield response
+            finally:
+                tracing.tracer().end(span, responses=responses)
 
     async def GetLoad(
         self, request: epd_pb2.GetLoadRequest, context: grpc.aio.ServicerContext

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from common import tracing
+from common.tracing import Stages, wall_ns
 from connector.streams import SessionStreams, StreamError
 from models import MediaError
 from proto import epd_pb2
@@ -187,6 +189,11 @@ class RealtimeSession:
         self.started = False
         self.closed = False
         self.end: str | None = None
+        # Its trace (common/tracing.py): one span for the session, a stage per audio chunk
+        # (received -> the first delta covering its end); the encoder's and LM's calls its
+        # children.
+        self.stages = Stages()
+        self.span = tracing.tracer().start("proxy.realtime_session", None, session_id=session_id)
 
     @property
     def audio_seconds(self) -> float:
@@ -273,8 +280,9 @@ class RealtimeSession:
         now = time.monotonic()
         metrics = self.service.metrics
         while self.pending_chunks and self.pending_chunks[0][0] <= covered + 1e-9:
-            _, received = self.pending_chunks.popleft()
+            end, received = self.pending_chunks.popleft()
             metrics.realtime_chunk_latency.observe(now - received)
+            self.stages.add("realtime_chunk", wall_ns(received), audio_end_seconds=round(end, 3))
             metrics.chunk_window.add(now - received)
 
     async def close(self, end: str) -> None:
@@ -290,6 +298,14 @@ class RealtimeSession:
             await asyncio.shield(self._end_calls())
         finally:
             self.service.metrics.realtime_sessions_total.labels(end).inc()
+            self.service.metrics.stages.observe(self.stages)
+            tracing.tracer().end(
+                self.span,
+                self.stages,
+                end=end,
+                audio_seconds=round(self.audio_seconds, 3),
+                output_tokens=len(self.sent),
+            )
             self.service._closed(self)
 
     async def _end_calls(self) -> None:
@@ -363,7 +379,10 @@ class RealtimeSession:
             self.encoder = worker
             accepted = asyncio.Event()
             try:
-                async for response in worker.stub.EncodeStream(self._requests(accepted)):
+                trace = tracing.tracer().metadata(self.span)
+                async for response in worker.stub.EncodeStream(
+                    self._requests(accepted), metadata=trace
+                ):
                     accepted.set()
                     if response.done:
                         pool.succeeded(worker)
@@ -434,7 +453,8 @@ class RealtimeSession:
             self.lm = worker
             attempt += 1
             try:
-                async for r in worker.stub.Generate(self._lm_request(attempt)):
+                trace = tracing.tracer().metadata(self.span)
+                async for r in worker.stub.Generate(self._lm_request(attempt), metadata=trace):
                     if r.missing_mm_hashes:
                         continue
                     self.sent.extend(r.token_ids)

@@ -495,6 +495,9 @@ def test_encoder_killed_mid_session_the_other_replays_the_audio(cluster, clips):
 
 def test_metrics_and_dashboard_show_the_sessions(cluster):
     assert cluster.metric("epd_realtime_chunk_latency_seconds_count") > 0
+    # Each chunk is a stage of the session's trace (common/tracing.py), counted once.
+    chunks = cluster.metric("epd_stage_seconds_count", role="proxy", stage="realtime_chunk")
+    assert chunks == cluster.metric("epd_realtime_chunk_latency_seconds_count")
     assert cluster.metric("epd_realtime_audio_seconds_total") > 0
     assert cluster.metric("epd_realtime_sessions_open") == 0
     status, state = cluster.http("/dashboard/state")
