@@ -102,12 +102,15 @@ class EmbeddingFetcher:
         try:
             while True:
                 pending = [h for h in needed if h not in found]
+                began = tracing.now_ns()
                 fetched, misses = await self.connector.get_many(pending)
                 loaded = {}
                 for h, tensor in fetched.items():
                     loaded[h] = await asyncio.to_thread(
                         self.engine.load_embedding, h, tensor, needed[h]
                     )
+                if fetched:  # the read and the copy to the engine's device, inside the wait
+                    request.stages.add("fetch", began, items=len(fetched), missing=len(misses))
                 found.update(loaded)
                 if deliver is not None and loaded:
                     deliver(loaded)

@@ -59,7 +59,7 @@ def test_one_request_is_one_trace_across_proxy_encoder_and_lm_worker(up, otlp): 
 
     proxy_stages = {"validate", "cache_check", "encode", "encode_call", "lm_call"}
     encoder_stages = {"preprocess", "queue_wait", "tower", "publish"}
-    lm_stages = {"queue_wait", "embedding_wait", "prefill_chunk", "decode"}
+    lm_stages = {"queue_wait", "embedding_wait", "fetch", "prefill_chunk", "decode"}
     roots = {"proxy.request", "encoder.encode", "lm.generate"}
     spans = receiver.wait_for(trace_id, roots | proxy_stages | encoder_stages | lm_stages)
     assert {s.trace_id for s in spans} == {trace_id}
@@ -124,7 +124,7 @@ def test_one_request_is_one_trace_across_proxy_encoder_and_lm_worker(up, otlp): 
     )
     with urllib.request.urlopen(post, timeout=60) as reply:
         assert reply.status == 200
-    spans = receiver.wait_for(trace_id, {"proxy.request", "lm.generate", "embedding_wait"})
+    spans = receiver.wait_for(trace_id, {"proxy.request", "lm.generate", "embedding_wait", "fetch"})
     root = next(s for s in spans if s.name == "proxy.request")
     assert root.parent_id == client_span
     assert not [s for s in spans if s.service == "epd-encoder" or s.name.startswith("encode")]

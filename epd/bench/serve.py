@@ -318,7 +318,15 @@ class AggregatedServer:
 STAGE_ORDER = {
     "proxy": ("validate", "cache_check", "encode", "lm_call"),
     "encoder": ("held_check", "preprocess", "queue_wait", "tower", "publish"),
-    "lm": ("kv_prefetch", "embedding_wait", "queue_wait", "prefill_chunk", "decode", "kv_send"),
+    "lm": (
+        "kv_prefetch",
+        "embedding_wait",
+        "fetch",
+        "queue_wait",
+        "prefill_chunk",
+        "decode",
+        "kv_send",
+    ),
     "aggregated": ("encoder_wait", "preprocess", "encode", "queue_wait", "prefill_chunk", "decode"),
 }
 # The groups a breakdown reports, in request order; prefill and decode workers are LM workers.
