@@ -87,7 +87,7 @@ class Stages(list):
     def finish(self, stage: Stage, **attributes: Any) -> None:
         stage.end = now_ns()
         stage.attributes.update(attributes)
-        TRACING.end(stage.span, **attributes)
+        TRACING.end(stage.span, **stage.attributes)  # with those set since it began
         self.append(stage)
 
     @contextlib.contextmanager

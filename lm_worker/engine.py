@@ -547,8 +547,20 @@ class LMEngine:
         out.num_output_tokens = len(request.output_token_ids)
         out.num_cached_tokens = request.num_cached_tokens
         out.timings = _timings(request)
+        _end_stages(request)
         if emit:
             self.emit([(live.sink, out)])
+
+
+def _end_stages(request: Request) -> None:
+    """The request's queue wait and decode as stages (common/tracing.py), beside its prefill
+    chunks: what `_timings` measures, on the time line its spans share."""
+    if request.first_scheduled is not None:
+        request.stages.add("queue_wait", wall_ns(request.arrival), wall_ns(request.first_scheduled))
+    if request.first_token is not None:
+        request.stages.add(
+            "decode", wall_ns(request.first_token), tokens=len(request.output_token_ids)
+        )
 
 
 def _timings(request: Request) -> dict[str, float]:

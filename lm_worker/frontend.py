@@ -353,14 +353,6 @@ class LMFrontend:
         """The last output: a handover's blocks all stored first; its rope delta for the
         decode stage; the timings of the whole call."""
         request = call.request
-        if request.first_scheduled is not None:
-            request.stages.add(
-                "queue_wait", wall_ns(request.arrival), wall_ns(request.first_scheduled)
-            )
-        if request.first_token is not None:
-            request.stages.add(
-                "decode", wall_ns(request.first_token), tokens=len(request.output_token_ids)
-            )
         if handover.kv_handover:  # the decode stage reads what this one writes
             with request.stages.time("kv_send"):
                 await wait_saves(self.kv, request.request_id)

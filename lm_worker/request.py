@@ -52,7 +52,8 @@ class Request:
     first_scheduled: float | None = None
     first_token: float | None = None
     num_preemptions: int = 0
-    # Stages the engine thread records (prefill chunks), exported when it ends (common/tracing.py).
+    # Its stages here (common/tracing.py): the engine thread's prefill chunks, queue wait and
+    # decode, the frontend's waits; exported when it ends.
     stages: Stages = field(default_factory=Stages)
 
     @property

@@ -267,7 +267,8 @@ class AggregatedServer:
             if out.error:
                 raise RuntimeError(out.error)
             if out.finish_reason is not None:
-                self._lm_stages(lm_request, time.monotonic())
+                for stage in lm_request.stages:  # as an LM worker records them
+                    self.stages.add(stage.name, stage.seconds)
             yield len(out.token_ids), len(prepared.items), held
             if out.finish_reason is not None:
                 return
@@ -286,15 +287,6 @@ class AggregatedServer:
         self.stages.add("encoder_wait", began - submitted)
         self.stages.add(stage, ended - began)
         return out
-
-    def _lm_stages(self, request, ended: float) -> None:
-        """The LM request's stages as an LM worker records them (lm_worker/frontend.py)."""
-        if request.first_scheduled is not None:
-            self.stages.add("queue_wait", request.first_scheduled - request.arrival)
-        for stage in request.stages:  # the prefill chunks the engine recorded
-            self.stages.add(stage.name, stage.seconds)
-        if request.first_token is not None:
-            self.stages.add("decode", ended - request.first_token)
 
     def _encode(self, prepared) -> dict:
         missing = [i for i in prepared.items if i.mm_hash not in self.cache]
