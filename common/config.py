@@ -345,6 +345,16 @@ class ProxyConfig:
     # in Redis, refreshed every third of this; another proxy waits for the item instead of
     # encoding it, and takes over when a mark lapses (its proxy died) before the item appears.
     encode_mark_ttl_seconds: float = 3.0
+    # The encoder planner (proxy/planner.py): the encoder count demand needs, exported as
+    # epd_encoders_desired (what `epd up --encoders auto` and a Kubernetes HPA act on). Encoders
+    # are sized to run at `encoder_target_utilisation` and to clear their queues within
+    # `encoder_wait_slo_seconds`; the count rises at once and falls only after demand stayed
+    # lower for `encoder_scale_down_seconds`; it stays within [encoders_min, encoders_max].
+    encoder_wait_slo_seconds: float = 1.0
+    encoder_target_utilisation: float = 0.7
+    encoder_scale_down_seconds: float = 60.0
+    encoders_min: int = 1
+    encoders_max: int = 8
     # API keys. With none (here, in EPD_PROXY_API_KEYS, comma-separated, or in the file) the
     # APIs are open. The file holds one key per line, optionally followed by its tenant's name
     # (keys of one tenant share cached media given by uuid); '#' starts a comment.
@@ -365,6 +375,19 @@ class ProxyConfig:
                 raise ConfigError(f"api_keys[{i}]", "must be non-empty, without spaces")
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
         _check_positive("encode_mark_ttl_seconds", self.encode_mark_ttl_seconds)
+        _check_positive("encoder_wait_slo_seconds", self.encoder_wait_slo_seconds)
+        _check_positive("encoder_scale_down_seconds", self.encoder_scale_down_seconds)
+        if not 0 < self.encoder_target_utilisation <= 1:
+            raise ConfigError(
+                "encoder_target_utilisation",
+                f"must be in (0, 1], got {self.encoder_target_utilisation}",
+            )
+        if not 1 <= self.encoders_min <= self.encoders_max:
+            raise ConfigError(
+                "encoders_min",
+                f"({self.encoders_min}) must be at least 1 and at most encoders_max "
+                f"({self.encoders_max})",
+            )
         _check_positive("request_timeout_seconds", self.request_timeout_seconds)
         _check_positive("circuit_cooldown_seconds", self.circuit_cooldown_seconds)
         _check_positive("load_poll_seconds", self.load_poll_seconds)

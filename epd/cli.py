@@ -76,6 +76,29 @@ def up_config(args: argparse.Namespace) -> ClusterConfig:
     return _config_from_args(args, overrides)
 
 
+def parse_encoders(value: str, config) -> tuple[int, tuple[int, int] | None]:
+    """`--encoders`: a count, or `auto[:MIN:MAX]` (the bounds default to proxy.encoders_min /
+    encoders_max). (count to start with, (min, max) or None)."""
+    head, *bounds = value.split(":")
+    try:
+        if head != "auto":
+            if bounds:
+                raise ValueError
+            return int(head), None
+        if len(bounds) not in (0, 2):
+            raise ValueError
+        low, high = (
+            map(int, bounds) if bounds else (config.proxy.encoders_min, config.proxy.encoders_max)
+        )
+    except ValueError:
+        raise ConfigError(
+            "--encoders", f"must be a count or auto[:MIN:MAX] (auto:1:4), got {value!r}"
+        ) from None
+    if not 1 <= low <= high:
+        raise ConfigError("--encoders", f"auto:{low}:{high} needs 1 <= MIN <= MAX")
+    return low, (low, high)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from common.log import setup_logging
     from connector import redact_url
@@ -89,10 +112,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
     config = up_config(args)
     setup_logging("epd-up", config.log_level)
+    count, auto = parse_encoders(args.encoders, config)
     try:
         cluster = LocalCluster(
             config,
-            num_encoders=args.encoders,
+            num_encoders=count,
+            encoders_auto=auto,
             num_lm_workers=(
                 args.lm_workers if args.lm_workers is not None else 0 if args.prefill_workers else 1
             ),
@@ -208,7 +233,12 @@ def build_parser(with_benches: bool = True, with_models: bool = True) -> argpars
     up.add_argument("--model", help="checkpoint directory (Hugging Face layout)")
     up.add_argument("--grpc-port", type=int, help="proxy gRPC port (default 50051)")
     up.add_argument("--http-port", type=int, help="proxy HTTP port (default 8000)")
-    up.add_argument("--encoders", type=int, default=1, help="encoder workers (default 1)")
+    up.add_argument(
+        "--encoders",
+        default="1",
+        help="encoder workers (default 1), or auto[:MIN:MAX]: as many as the proxy's encoder "
+        "planner asks for (bounds default to proxy.encoders_min / encoders_max)",
+    )
     up.add_argument(
         "--lm-workers",
         type=int,

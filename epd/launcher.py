@@ -9,6 +9,13 @@ launcher waits until each reports SERVING over grpc.health.v1, prints the endpoi
 Ctrl-C / SIGTERM stops them in reverse order (proxy first, so nothing new arrives while the
 workers drain). Children die with the launcher even if it is killed (see common.process).
 
+Encoders that scale themselves (`--encoders auto[:MIN:MAX]`): the proxy's encoder planner
+(proxy/planner.py) writes the encoder count demand needs to Redis; once a second the launcher
+reads it and starts encoders (encoder-N, found by the proxy through the registry) or drains the
+newest: SIGTERM, the encoder leaves the registry, finishes what it holds and exits, and is
+forgotten (not restarted). No request fails meanwhile: a call it refuses while draining is
+retried on another encoder.
+
 Supervision: a role (or the embedded Redis) that dies after start-up is restarted on the same
 address, after a backoff (0.5 s doubling, at most 8 s), while the cluster serves on the
 survivors (the proxy fails its requests over). A role that dies more than `max_restarts` times
@@ -50,6 +57,7 @@ from connector import EmbeddedRedis, EmbeddedServerError, redact_url
 from connector.embedded import EmbeddedCluster, default_maxmemory
 from connector.registry import restarts_key
 from models.demo import BUILTIN_DIR
+from proxy.planner import fresh_desired, planner_key
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +71,8 @@ BACKOFF_FIRST, BACKOFF_MAX = 0.5, 8.0  # within the budget: 0.5 s doubling to 8 
 BACKOFF_LONG = 300.0  # past it (backed off): 16 s doubling to this
 HEALTH_POLL = 0.5  # seconds between health checks of a restarted role until it is SERVING
 KINDS = ("encoder", "lm", "proxy")  # the cluster needs one of each that can run
+PLAN_POLL = 1.0  # seconds between reads of the planner's answer (--encoders auto)
+PLAN_MAX_AGE = 10.0  # a proxy's answer older than this is not acted on
 
 
 @dataclass
@@ -146,6 +156,7 @@ class Role:
     env: dict[str, str] = field(default_factory=dict)  # its own settings (an LM worker's role)
     child: Child | None = None
     supervision: Supervision | None = None
+    retiring: bool = False  # drained by the planner: its exit is its end, not a death
 
     def __post_init__(self):
         self.supervision = Supervision(self.name)
@@ -162,6 +173,7 @@ class LocalCluster:
         max_restarts: int = 5,
         num_prefill_workers: int = 0,
         num_decode_workers: int = 0,
+        encoders_auto: tuple[int, int] | None = None,
     ):
         if (num_prefill_workers > 0) != (num_decode_workers > 0):
             raise LaunchError(
@@ -169,14 +181,25 @@ class LocalCluster:
             )
         if num_encoders < 1 or num_lm_workers + num_prefill_workers < 1:
             raise LaunchError("a cluster needs at least one encoder and one LM worker")
+        self.auto = encoders_auto  # (min, max): the planner sizes the encoders
+        if encoders_auto is not None:
+            low, high = encoders_auto
+            if not config.registry.enabled:
+                raise LaunchError(
+                    "--encoders auto needs registry.enabled: the proxy finds the encoders it "
+                    "starts through the registry"
+                )
+            proxy = dataclasses.replace(config.proxy, encoders_min=low, encoders_max=high)
+            config = dataclasses.replace(config, proxy=proxy)  # checks 1 <= low <= high
+            num_encoders = low
         self.config = config
         self.host = host
         self.startup_timeout = startup_timeout
         self.redis: EmbeddedRedis | EmbeddedCluster | None = None
         self.run_dir = Path(tempfile.mkdtemp(prefix="epd-up-"))
-        self.encoders = [
-            Role(f"encoder-{i}", "encoder", f"127.0.0.1:{free_port()}") for i in range(num_encoders)
-        ]
+        self.encoders = [self._encoder_role(i) for i in range(num_encoders)]
+        self._next_encoder = num_encoders
+        self._last_plan = 0.0
         self.lm_workers = [
             Role(f"lm-{i}", "lm", f"127.0.0.1:{free_port()}") for i in range(num_lm_workers)
         ]
@@ -195,6 +218,10 @@ class LocalCluster:
     @property
     def roles(self) -> list[Role]:
         return [*self.encoders, *self.lm_workers, self.proxy]
+
+    @staticmethod
+    def _encoder_role(i: int) -> Role:
+        return Role(f"encoder-{i}", "encoder", f"127.0.0.1:{free_port()}")
 
     # ---------------------------------------------------------------------------- start
 
@@ -233,7 +260,8 @@ class LocalCluster:
             proxy=dataclasses.replace(
                 self.config.proxy,
                 host=self.host,
-                encoders=tuple(r.address for r in self.encoders),
+                # Autoscaled encoders come and go through the registry; static ones never leave.
+                encoders=() if self.auto else tuple(r.address for r in self.encoders),
                 lm_workers=tuple(r.address for r in self.lm_workers),
             ),
         )
@@ -327,6 +355,11 @@ class LocalCluster:
         lines = [
             f"epd cluster SERVING in {elapsed:.1f}s: model {c.model.served_name}",
             f"  gRPC       {self.proxy.address}  (epd.v1.Inference)",
+            *(
+                [f"  encoders   {self.auto[0]}..{self.auto[1]}, as the planner asks"]
+                if self.auto
+                else []
+            ),
             f"  HTTP       {http}  (OpenAI API under /v1; /dashboard, /health, /metrics)",
             *(f"  {r.name:<11}{r.address}" for r in self.encoders + self.lm_workers),
             f"  redis      {redact_url(c.connector.url)}  ({redis_note})",
@@ -381,6 +414,8 @@ class LocalCluster:
         times = [s.due for s in self._supervisions() if s.due is not None]
         if any(self._starting(r) for r in self.roles):
             times.append(now + HEALTH_POLL)
+        if self.auto:
+            times.append(self._last_plan + PLAN_POLL)
         times += [
             s.started + RESTART_WINDOW
             for s in self._supervisions()
@@ -391,14 +426,22 @@ class LocalCluster:
     def supervise(self, now: float) -> int | None:
         """One pass: schedule the restart of what died, run the restarts that are due, check
         the restarted roles' health. An exit code when the cluster must stop."""
-        watched = [(r.supervision, r.child) for r in self.roles]
-        if isinstance(self.redis, EmbeddedRedis):
-            watched.insert(0, (self.redis_supervision, self.redis.child))
-        elif any(child.poll() is not None for child in self._redis_children()):
+        nodes = [] if isinstance(self.redis, EmbeddedRedis) else self._redis_children()
+        if any(child.poll() is not None for child in nodes):
             # A node of the embedded Redis Cluster: not restarted (its slots would need
             # re-assigning); the cluster stops, loudly.
             print("an embedded Redis Cluster node exited; stopping the cluster", file=sys.stderr)
             return 1
+        for role in [r for r in self.encoders if r.retiring and r.child.poll() is not None]:
+            self.encoders.remove(role)
+            print(
+                f"{role.name} drained and stopped (exit code {role.child.poll()})",
+                file=sys.stderr,
+                flush=True,
+            )
+        watched = [(r.supervision, r.child) for r in self.roles if not r.retiring]
+        if isinstance(self.redis, EmbeddedRedis):
+            watched.insert(0, (self.redis_supervision, self.redis.child))
         for sup, child in watched:
             if sup.due is None and child is not None and child.poll() is not None:
                 self._died(sup, child.poll(), now)
@@ -423,8 +466,13 @@ class LocalCluster:
                 self._record(sup, now)
             elif self._starting(role) and self._status(role) == "SERVING":
                 sup.reached_serving()
-                print(f"{role.name} SERVING again", file=sys.stderr, flush=True)
-                self._record(sup, now)
+                again = " again" if sup.restarts else ""
+                print(f"{role.name} SERVING{again} at {role.address}", file=sys.stderr, flush=True)
+                if sup.restarts:
+                    self._record(sup, now)
+        if self.auto and now - self._last_plan >= PLAN_POLL:
+            self._last_plan = now
+            self._scale(now)
         for sup in self._supervisions():
             if sup.settle(now):
                 print(
@@ -434,6 +482,42 @@ class LocalCluster:
                 )
                 self._record(sup, now)
         return None
+
+    def _scale(self, now: float) -> None:
+        """Start or drain encoders toward the planner's answer (the largest of the proxies'
+        fresh answers in Redis; none fresh: nothing changes)."""
+        c = self.config.connector
+        try:
+            with redis.Redis.from_url(c.redis_url, socket_timeout=2, socket_connect_timeout=2) as r:
+                entries = r.hgetall(planner_key(c.namespace))
+        except (redis.RedisError, OSError) as e:
+            logger.warning("could not read the planner's answer: %s", e)
+            return
+        desired = fresh_desired(entries, time.time(), PLAN_MAX_AGE)
+        if desired is None:
+            return
+        low, high = self.auto
+        desired = min(max(desired, low), high)
+        active = [r for r in self.encoders if not r.retiring]
+        for _ in range(desired - len(active)):
+            role = self._encoder_role(self._next_encoder)
+            self._next_encoder += 1
+            self.encoders.append(role)
+            role.supervision.started = now
+            self._spawn(role)
+            print(
+                f"{role.name} starting: the planner wants {desired} encoders",
+                file=sys.stderr,
+                flush=True,
+            )
+        for role in active[desired:][::-1]:  # the newest first
+            role.retiring = True
+            role.child.signal(signal.SIGTERM)
+            print(
+                f"{role.name} draining: the planner wants {desired} encoders",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _starting(self, role: Role) -> bool:
         """Restarted, alive, not yet SERVING: its health is polled."""
@@ -445,7 +529,7 @@ class LocalCluster:
         """A kind every replica of which has had more than `max_restarts` restarts in a row
         die before reaching SERVING."""
         for kind in KINDS:
-            roles = [r for r in self.roles if r.kind == kind]
+            roles = [r for r in self.roles if r.kind == kind and not r.retiring]
             if roles and all(r.supervision.cannot_run(self.max_restarts) for r in roles):
                 return kind
         return None

@@ -9,8 +9,12 @@ processor, fingerprint), the EC connector, the worker pools. Each request: prepa
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
+
+import redis
 
 from common import tracing
 from common.config import ClusterConfig
@@ -23,11 +27,14 @@ from proto import epd_pb2, epd_pb2_grpc
 from proxy.affinity import Affinity
 from proxy.frontend import Chunk, Frontend
 from proxy.metrics import ProxyMetrics
+from proxy.planner import Decision, Planner, planner_key
 from proxy.prepare import ChatMessage, PreparedRequest, RequestBuilder
 from proxy.realtime import RealtimeService
 from proxy.timeline import Timeline
 from proxy.validate import Limits, check_prepared
 from proxy.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
 
 # Prompts with fewer characters are built on the event loop (cheaper than a thread hop).
 INLINE_CHARS = 16384
@@ -97,12 +104,52 @@ class Proxy:
         self.context = c.lm.context_length(family.text.max_position_embeddings)
         self.realtime = RealtimeService(self)
         self.timeline = Timeline()  # the dashboard's slowest recent requests
+        p = c.proxy
+        self.planner = Planner(
+            p.encoder_target_utilisation,
+            p.encoder_wait_slo_seconds,
+            p.encoders_min,
+            p.encoders_max,
+            p.encoder_scale_down_seconds,
+        )
+        self._planning: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.encoders.start()
         await self.lms.start()
+        self._planning = asyncio.create_task(self._plan(), name="encoder-planner")
+
+    async def _plan(self) -> None:
+        """The encoder planner's tick, once per load poll: a decision from the SERVING
+        encoders' reports, on /metrics and in Redis (best effort: a store that does not answer
+        costs the local launcher its input for a while, nothing else)."""
+        key = planner_key(self.config.connector.namespace)
+        owner = self.frontend.dispatcher.owner
+        while True:
+            await asyncio.sleep(self.config.proxy.load_poll_seconds)
+            loads = [w.load for w in self.encoders.workers.values() if w.up and w.load]
+            decision = self.planner.update(loads)
+            self._export(decision)
+            try:
+                await self.redis.hset(key, owner, decision.to_json(time.time()))
+            except redis.RedisError as e:
+                logger.debug("planner: could not publish to Redis: %s", e)
+
+    def _export(self, d: Decision) -> None:
+        m = self.metrics
+        m.encoders_desired.set(d.desired)
+        m.planner_need.set(d.need)
+        m.planner_work.set(d.work)
+        m.planner_backlog.set(d.backlog_seconds)
+        m.planner_seconds_per_item.set(d.seconds_per_item or 0.0)
 
     async def close(self) -> None:
+        if self._planning is not None:
+            self._planning.cancel()
+            await asyncio.gather(self._planning, return_exceptions=True)
+            with contextlib.suppress(redis.RedisError):
+                key = planner_key(self.config.connector.namespace)
+                await self.redis.hdel(key, self.frontend.dispatcher.owner)
         await self.realtime.close()
         await self.encoders.close()
         await self.lms.close()

@@ -59,7 +59,13 @@ Everything is bounded: an hour of traffic or 50 workers cost what 15 minutes and
                    "slowest": [{"request_id": "req-...", "ended": 1760000000.0,
                                 "total_seconds": 0.9, "ok": true,
                                 "stages": [{"name": "validate", "role": "proxy",
-                                            "start": 0.0, "seconds": 0.002}, ...]}]}
+                                            "start": 0.0, "seconds": 0.002}, ...]}]},
+      "planner": {"decision": null | {"desired": 2, "recommended": 2, "need": 1.43,  # encoders
+                                      "serving": 1, "work": 1.0, "items_per_second": 5.1,
+                                      "seconds_per_item": 0.196, "queued_items": 3,  # see
+                                      "running_items": 1, "backlog_seconds": 0.78},  # planner.py
+                  "target_utilisation": 0.7, "wait_slo_seconds": 1.0,
+                  "scale_down_seconds": 60.0, "min": 1, "max": 8}
     }
 
 Until the proxy has loaded, "proxy" is {"model": "", "serving": false, "status": "starting"} and
@@ -71,6 +77,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -120,6 +127,8 @@ SERIES = (
     "decode_queue",
     "encoder_busy",  # mean tower busy fraction, encoders that are up
     "encoder_batch",  # mean items per forward, encoders that are up
+    "encoders_desired",  # the encoder planner's answer (proxy/planner.py)
+    "encoders_up",  # encoders SERVING
     "workers_up",
 )
 OK_STATUSES = frozenset({"OK", "200"})
@@ -296,6 +305,9 @@ class Dashboard:
             values[f"{role}_queue"] = sum(x.waiting_requests for x in lms if x.role == role)
         values["encoder_busy"] = _mean(x.busy_fraction for x in encoders)
         values["encoder_batch"] = _mean(x.batch_items for x in encoders)
+        plan = proxy.planner.last
+        values["encoders_desired"] = plan.desired if plan is not None else None
+        values["encoders_up"] = sum(w.up for w in proxy.encoders.workers.values())
         values["workers_up"] = sum(
             w.up for pool in (proxy.encoders, proxy.lms) for w in pool.workers.values()
         )
@@ -404,6 +416,7 @@ class Dashboard:
         state["cache"] = self._cache(proxy)
         state["traffic"] = self._traffic(proxy, now)
         state["timeline"] = proxy.timeline.state(now)
+        state["planner"] = _planner(proxy)
         return state
 
     def _cache(self, proxy: Proxy) -> dict[str, Any]:
@@ -484,6 +497,20 @@ class Dashboard:
                 {"error": f"since must be unix seconds, got {since!r}"}, status=400
             )
         return web.json_response(self.state(since_t), headers={"Cache-Control": "no-store"})
+
+
+def _planner(proxy: Proxy) -> dict[str, Any]:
+    """The encoder planner's last decision and its settings."""
+    p = proxy.config.proxy
+    last = proxy.planner.last
+    return {
+        "decision": None if last is None else dataclasses.asdict(last),
+        "target_utilisation": p.encoder_target_utilisation,
+        "wait_slo_seconds": p.encoder_wait_slo_seconds,
+        "scale_down_seconds": p.encoder_scale_down_seconds,
+        "min": p.encoders_min,
+        "max": p.encoders_max,
+    }
 
 
 def _kv_totals(proxy: Proxy) -> dict[str, int]:

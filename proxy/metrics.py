@@ -147,6 +147,31 @@ class ProxyMetrics:
             ["role"],
             **kw,
         )
+        # The encoder planner (proxy/planner.py): its answer and its inputs.
+        self.encoders_desired = Gauge(
+            "epd_encoders_desired",
+            "Encoders the current demand needs (the planner's answer: scale the encoders to it)",
+            **kw,
+        )
+        self.planner_need = Gauge(
+            "epd_planner_need_encoders",
+            "The planner's unrounded need this tick, before its scale-down window and bounds",
+            **kw,
+        )
+        self.planner_work = Gauge(
+            "epd_planner_encode_work",
+            "Encoder-seconds of encoding per second over the SERVING encoders (sum of their "
+            "busy fractions)",
+            **kw,
+        )
+        self.planner_backlog = Gauge(
+            "epd_planner_backlog_seconds",
+            "Encoder-seconds of work queued at the encoders (queued items x seconds per item)",
+            **kw,
+        )
+        self.planner_seconds_per_item = Gauge(
+            "epd_planner_seconds_per_item", "Tower seconds per item, as the encoders report", **kw
+        )
         self.ttft_window = LatencyWindow()
         self.itl_window = LatencyWindow()
         self.chunk_window = LatencyWindow()
