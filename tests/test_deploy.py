@@ -697,8 +697,40 @@ def test_every_kustomization_is_checked():
         "overlays/redis-cluster",
         "overlays/secure",
         "overlays/pd",
+        "overlays/autoscale",
         *GPU_RENDERS,
     }
+
+
+def test_planner_hpa_scales_on_what_the_proxy_exports():
+    """overlays/autoscale: the encoder HPA reads epd_encoders_desired as the adapter serves it
+    (the max over proxies of a metric the proxy really exports), takes its number as the replica
+    count, keeps CPU as the fallback, and has the bounds the proxies' planner clamps to."""
+    from prometheus_client import CollectorRegistry
+
+    from proxy.metrics import ProxyMetrics
+
+    docs = render("overlays/autoscale")
+    (hpa,) = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    spec = hpa["spec"]
+    (external,) = [m["external"] for m in spec["metrics"] if m["type"] == "External"]
+    assert external["target"] == {"type": "AverageValue", "averageValue": "1"}
+    assert any(m["type"] == "Resource" and m["resource"]["name"] == "cpu" for m in spec["metrics"])
+
+    values = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())
+    rules = {r["name"]["as"]: r for r in values["rules"]["external"]}
+    rule = rules[external["metric"]["name"]]
+    series = rule["seriesQuery"].split("{")[0].strip("'\"")
+    registry = CollectorRegistry()
+    ProxyMetrics(registry)
+    assert series in {m.name for m in registry.collect()}, series
+    assert rule["metricsQuery"].startswith("max(")  # every proxy exports the same decision
+
+    proxy = next(d for d in docs if name_of(d) == "Deployment/epd-proxy")
+    pod = proxy["spec"]["template"]["spec"]
+    config = config_of(docs, pod, pod["containers"][0])
+    bounds = (config.proxy.encoders_min, config.proxy.encoders_max)
+    assert (spec["minReplicas"], spec["maxReplicas"]) == bounds
 
 
 def redis_cluster_k8s_problems(docs: list[dict]) -> list[str]:
