@@ -76,33 +76,10 @@ def up_config(args: argparse.Namespace) -> ClusterConfig:
     return _config_from_args(args, overrides)
 
 
-def parse_encoders(value: str, config) -> tuple[int, tuple[int, int] | None]:
-    """`--encoders`: a count, or `auto[:MIN:MAX]` (the bounds default to proxy.encoders_min /
-    encoders_max). (count to start with, (min, max) or None)."""
-    head, *bounds = value.split(":")
-    try:
-        if head != "auto":
-            if bounds:
-                raise ValueError
-            return int(head), None
-        if len(bounds) not in (0, 2):
-            raise ValueError
-        low, high = (
-            map(int, bounds) if bounds else (config.proxy.encoders_min, config.proxy.encoders_max)
-        )
-    except ValueError:
-        raise ConfigError(
-            "--encoders", f"must be a count or auto[:MIN:MAX] (auto:1:4), got {value!r}"
-        ) from None
-    if not 1 <= low <= high:
-        raise ConfigError("--encoders", f"auto:{low}:{high} needs 1 <= MIN <= MAX")
-    return low, (low, high)
-
-
 def cmd_up(args: argparse.Namespace) -> int:
     from common.log import setup_logging
     from connector import redact_url
-    from epd.launcher import LaunchError, LocalCluster, run_cluster
+    from epd.launcher import LaunchError, LocalCluster, parse_encoders, run_cluster
 
     if args.redis_url and redact_url(args.redis_url) != args.redis_url:
         raise ConfigError(

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import redis
 
-from common.config import ClusterConfig, dump_config, secret_env
+from common.config import ClusterConfig, ConfigError, dump_config, secret_env
 from common.health import health_status
 from common.process import Child, epd_command, free_port, port_is_free
 from common.served_model import resolve_model
@@ -160,6 +160,29 @@ class Role:
 
     def __post_init__(self):
         self.supervision = Supervision(self.name)
+
+
+def parse_encoders(value: str, config: ClusterConfig) -> tuple[int, tuple[int, int] | None]:
+    """`--encoders`: a count, or `auto[:MIN:MAX]` (the bounds default to proxy.encoders_min /
+    encoders_max). (count to start with, (min, max) or None)."""
+    head, *bounds = value.split(":")
+    try:
+        if head != "auto":
+            if bounds:
+                raise ValueError
+            return int(head), None
+        if len(bounds) not in (0, 2):
+            raise ValueError
+        low, high = (
+            map(int, bounds) if bounds else (config.proxy.encoders_min, config.proxy.encoders_max)
+        )
+    except ValueError:
+        raise ConfigError(
+            "--encoders", f"must be a count or auto[:MIN:MAX] (auto:1:4), got {value!r}"
+        ) from None
+    if not 1 <= low <= high:
+        raise ConfigError("--encoders", f"auto:{low}:{high} needs 1 <= MIN <= MAX")
+    return low, (low, high)
 
 
 class LocalCluster:

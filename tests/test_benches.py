@@ -209,6 +209,49 @@ def test_bench_serve(tiny_checkpoint, tmp_path):
         assert means["proxy"]["lm_call"] > 0 and "tower" in means["encoder"]
 
 
+@pytest.mark.timeout(300)
+def test_bench_serve_encoders_auto_against_a_fixed_count(tiny_checkpoint):
+    """`--encoders 1,auto:1:2` under a stepped load: one e+pd row per setting, each with the
+    encoder-seconds it used and TTFT per step, and auto's ratios against the fixed count."""
+    summary = bench(
+        "serve",
+        "--model",
+        str(tiny_checkpoint),
+        "--topology",
+        "e+pd",
+        "--encoders",
+        "1,auto:1:2",
+        "--rate-schedule",
+        "6:1.5,2:1",
+        "--reuse",
+        "0",
+        "--output-tokens",
+        "2",
+        "--image-width",
+        "112",
+        "--image-height",
+        "84",
+        "--grpc-port",
+        str(free_port()),
+        "--http-port",
+        str(free_port()),
+    )
+    assert summary["rate_schedule"] == "6:1.5,2:1"
+    rows = summary["results"]
+    assert [r["encoders"] for r in rows] == ["1", "auto:1:2"]
+    for row in rows:
+        assert row["requests"] > 0 and (row["completed"], row["failed"]) == (row["requests"], 0)
+        assert row["encoder_seconds"] > 0 and 1 <= row["encoders_max"] <= 2, row
+        steps = row["steps"]
+        assert [(s["rate"], s["seconds"]) for s in steps] == [(6.0, 1.5), (2.0, 1.0)]
+        assert sum(s["requests"] for s in steps) == row["completed"]
+    fixed = rows[0]
+    assert fixed["encoders_max"] == 1 and fixed["encoders_mean"] == 1.0
+    (ratio,) = summary["encoders_vs"]
+    assert (ratio["encoders"], ratio["baseline"]) == ("auto:1:2", "1")
+    assert ratio["encoder_seconds"] is not None and ratio["ttft_p50"] is not None
+
+
 def test_bench_connector_cluster(redis_cluster):
     summary = bench(
         "connector",

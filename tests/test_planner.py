@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from common.config import ConfigError, load_config
-from epd.cli import parse_encoders
+from epd.launcher import parse_encoders
 from proxy.planner import Planner, fresh_desired
 from tests.test_up import child_named, generate, up, wait_for  # noqa: F401 (the fixture)
 

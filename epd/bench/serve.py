@@ -14,6 +14,12 @@ the same cores and model:
   embedding cache: what a plain single server does, built from the same model code (the
   family's processor and encoder, the LM engine).
 
+Encoders: `--encoders 1,3,auto:1:4` runs `e+pd` once per setting, a fixed count or the encoder
+planner's (proxy/planner.py, as `epd up --encoders auto` runs it), each row with the
+encoder-seconds it used (encoder processes alive, sampled over the load). `--rate-schedule
+4:20,16:20,4:20` sends a load that steps (requests/s : seconds, Poisson within a step) instead
+of `--request-rate`, and reports TTFT per step.
+
 Per topology, rate and reuse ratio: throughput, goodput (requests meeting the TTFT and TPOT
 targets), time to first token, inter-token latency, time per output token and end-to-end
 latency at p50 / p90 / p99, the share of images served from the cache, and where a request's
@@ -34,6 +40,7 @@ import json
 import math
 import random
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -52,7 +59,7 @@ from common.process import free_port
 from common.served_model import ServedModel, ensure_bench_model
 from common.server import GRPC_OPTIONS
 from encoder_worker.tower import Tower
-from epd.launcher import LocalCluster
+from epd.launcher import LocalCluster, parse_encoders
 from lm_worker.engine import LMEngine, RequestOutput, deliver
 from lm_worker.loader import build_engine
 from lm_worker.server import to_request
@@ -182,6 +189,30 @@ def arrivals(count: int, rate: float, seed: int) -> list[float]:
     for _ in range(count):
         out.append(t)
         t += rng.expovariate(rate)
+    return out
+
+
+def parse_schedule(text: str) -> list[tuple[float, float]]:
+    """`--rate-schedule` "4:20,16:20": [(requests/s, seconds), ...]."""
+    try:
+        steps = [tuple(float(x) for x in step.split(":")) for step in text.split(",")]
+        if any(len(step) != 2 or step[0] <= 0 or step[1] <= 0 for step in steps):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--rate-schedule: RATE:SECONDS,... (4:20,16:20), got {text!r}") from None
+    return steps
+
+
+def schedule_arrivals(steps: list[tuple[float, float]], seed: int) -> list[float]:
+    """Open-loop send times: Poisson at each step's rate for its seconds, one after another."""
+    rng = random.Random(seed)
+    out, start = [], 0.0
+    for rate, seconds in steps:
+        t = start + rng.expovariate(rate)
+        while t < start + seconds:
+            out.append(t)
+            t += rng.expovariate(rate)
+        start += seconds
     return out
 
 
@@ -433,10 +464,16 @@ def _stage_key(key: tuple[str, str]) -> tuple:
 
 
 async def run_load(
-    client, requests: list[BenchRequest], rate: float, seed: int, label: str
+    client,
+    requests: list[BenchRequest],
+    rate: float,
+    seed: int,
+    label: str,
+    times: list[float] | None = None,
 ) -> tuple[list[Result], float]:
-    """Send `requests` at their arrival times; (results, wall seconds)."""
-    times = arrivals(len(requests), rate, seed)
+    """Send `requests` at their arrival times (`times`, or Poisson at `rate`); (results, wall
+    seconds)."""
+    times = arrivals(len(requests), rate, seed) if times is None else times
     results = [Result() for _ in requests]
     done = 0
     started = time.perf_counter()
@@ -509,9 +546,55 @@ def summarize(results: list[Result], wall: float, ttft_slo: float, tpot_slo: flo
     }
 
 
-async def bench_topology(topology: str, args, model_dir: Path, datasets) -> list[dict]:
+class EncoderMeter:
+    """Encoder processes alive during a load, sampled every `interval`: the encoder-seconds a
+    run used. With --encoders auto it also runs the launcher's supervision pass meanwhile (what
+    `epd up` runs in its main loop), which starts and drains encoders on the planner's answer."""
+
+    def __init__(self, cluster: LocalCluster, interval: float = 0.25):
+        self.cluster = cluster
+        self.interval = interval
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="encoder-meter", daemon=True)
+
+    def _alive(self) -> int:
+        return sum(r.child is not None and r.child.poll() is None for r in self.cluster.encoders)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if self.cluster.auto:
+                self.cluster.supervise(now)
+            self.samples.append((now, self._alive()))
+            self._stop.wait(self.interval)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, start: float, end: float) -> dict:
+        """Encoder-seconds over [start, end] (monotonic), and the mean and most encoders."""
+        points = [(t, n) for t, n in self.samples if start <= t <= end]
+        if not points:
+            return {"encoder_seconds": None, "encoders_mean": None, "encoders_max": None}
+        ends = [t for t, _ in points[1:]] + [end]
+        seconds = sum(n * (min(t1, end) - t0) for (t0, n), t1 in zip(points, ends, strict=True))
+        return {
+            "encoder_seconds": round(seconds, 1),
+            "encoders_mean": round(seconds / max(end - points[0][0], 1e-9), 2),
+            "encoders_max": max(n for _, n in points),
+        }
+
+
+async def bench_topology(
+    topology: str, args, model_dir: Path, datasets, encoders: str = "1"
+) -> list[dict]:
     rows = []
-    cluster = None
+    cluster = meter = None
     if topology == "aggregated":
         client = AggregatedServer(model_dir, _lm_config(args))
         client.start(asyncio.get_running_loop())
@@ -520,20 +603,34 @@ async def bench_topology(topology: str, args, model_dir: Path, datasets) -> list
         client = ClusterClient(args.target)
         stages = StageTotals()
     else:
-        cluster = await asyncio.to_thread(_start_cluster, args, model_dir, topology == "e+p+d")
+        cluster = await asyncio.to_thread(
+            _start_cluster, args, model_dir, topology == "e+p+d", encoders
+        )
         client = ClusterClient(cluster.proxy.address)
         stages = ScrapedStages(_metrics_urls(cluster))
+        meter = EncoderMeter(cluster)
+        meter.start()
     try:
         await _warm_up(client)
         if topology == "e+p+d":
             await _until_split(client, stages)
         for (rate, reuse), requests in datasets.items():
             label = f"{topology} rate {rate:g}/s reuse {reuse:g}"
+            if topology == "e+pd":
+                label += f" encoders {encoders}"
             before = await stages.totals()
-            results, wall = await run_load(client, requests, rate, args.seed, label)
+            started = time.monotonic()
+            results, wall = await run_load(
+                client, requests, rate, args.seed, label, getattr(args, "times", None)
+            )
             after = await stages.totals()
             row = {"topology": topology, "request_rate": rate, "reuse": reuse}
+            if cluster is not None:
+                row["encoders"] = encoders
+                row |= meter.between(started, started + wall)
             row |= summarize(results, wall, args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
+            if getattr(args, "times", None) is not None:
+                row["steps"] = _steps(args, results, meter, started)
             row["stages"] = {
                 "source": stages.source,
                 **stage_breakdown(before, after, len(requests)),
@@ -543,9 +640,33 @@ async def bench_topology(topology: str, args, model_dir: Path, datasets) -> list
             print(_stage_line(row["stages"]), flush=True)
     finally:
         await client.close()
+        if meter is not None:
+            meter.stop()
         if cluster is not None:
             await asyncio.to_thread(cluster.stop)
     return rows
+
+
+def _steps(args, results: list[Result], meter: EncoderMeter | None, started: float) -> list:
+    """Per step of the rate schedule: its requests' TTFT and the encoders meanwhile."""
+    out, begin = [], 0.0
+    for rate, seconds in args.schedule:
+        mine = [
+            r.ttft for r, t in zip(results, args.times, strict=True)
+            if begin <= t < begin + seconds and r.ok
+        ]  # fmt: skip
+        step = {"rate": rate, "seconds": seconds, "requests": len(mine)}
+        if mine:
+            ms = np.asarray(mine) * 1e3
+            step |= {
+                "ttft_p50_ms": round(float(np.percentile(ms, 50)), 1),
+                "ttft_p99_ms": round(float(np.percentile(ms, 99)), 1),
+            }
+        if meter is not None:
+            step |= meter.between(started + begin, started + begin + seconds)
+        out.append(step)
+        begin += seconds
+    return out
 
 
 async def _warm_up(client) -> None:
@@ -572,25 +693,31 @@ async def _until_split(client, stages: StageTotals, timeout: float = 60.0) -> No
         await asyncio.sleep(0.5)
 
 
-def _start_cluster(args, model_dir: Path, split: bool) -> LocalCluster:
+def _start_cluster(args, model_dir: Path, split: bool, encoders: str = "1") -> LocalCluster:
     overrides = {
         "model.path": str(model_dir),
         "proxy.grpc_port": args.grpc_port,
         "proxy.http_port": args.http_port,
+        "proxy.encoder_scale_down_seconds": args.scale_down_seconds,
         **{f"lm.{k}": v for k, v in _lm_settings(args).items()},
     }
     config = load_config(None, {k: v for k, v in overrides.items() if v is not None})
+    count, auto = parse_encoders(encoders, config)
     if split:
         cluster = LocalCluster(
             config,
-            num_encoders=args.encoders,
+            num_encoders=count,
             num_lm_workers=0,
             num_prefill_workers=args.prefill_workers,
             num_decode_workers=args.decode_workers,
         )
     else:
-        cluster = LocalCluster(config, num_encoders=args.encoders, num_lm_workers=args.lm_workers)
-    for role in [*cluster.encoders, *cluster.lm_workers]:  # each its own /metrics
+        cluster = LocalCluster(
+            config, num_encoders=count, num_lm_workers=args.lm_workers, encoders_auto=auto
+        )
+    # Each its own /metrics; not autoscaled encoders, which come and go (and take their counters
+    # with them): their stages are left out of the breakdown.
+    for role in [*([] if auto else cluster.encoders), *cluster.lm_workers]:
         role.env[METRICS_PORT_ENV[role.kind]] = str(free_port())
     cluster.start()
     return cluster
@@ -600,6 +727,8 @@ def _metrics_urls(cluster: LocalCluster) -> dict[str, list[str]]:
     """The /metrics of each group of a cluster `_start_cluster` started."""
     urls = {"proxy": [f"http://{cluster.host}:{cluster.config.proxy.http_port}/metrics"]}
     for role in [*cluster.encoders, *cluster.lm_workers]:
+        if METRICS_PORT_ENV[role.kind] not in role.env:
+            continue  # an autoscaled encoder
         group = role.name.rsplit("-", 1)[0]  # encoder, lm, prefill, decode
         host = role.address.rsplit(":", 1)[0]
         port = role.env[METRICS_PORT_ENV[role.kind]]
@@ -616,12 +745,25 @@ def _lm_config(args) -> LMConfig:
 
 
 def _line(row: dict) -> str:
+    encoders = ""
+    if row.get("encoder_seconds") is not None:
+        encoders = (
+            f"  encoders {row['encoders']}: {row['encoder_seconds']:g} encoder-s "
+            f"(mean {row['encoders_mean']:g}, max {row['encoders_max']})"
+        )
+    steps = "".join(
+        f"\n    step {s['rate']:g}/s x {s['seconds']:g} s: {s['requests']} requests, TTFT p50/p99 "
+        f"{s.get('ttft_p50_ms')}/{s.get('ttft_p99_ms')} ms, encoders mean {s.get('encoders_mean')}"
+        for s in row.get("steps", [])
+    )
     return (
         f"{row['topology']:<10} rate {row['request_rate']:>5g}/s reuse {row['reuse']:<4g} "
         f"done {row['completed']}/{row['requests']}  {row['throughput_rps']:.2f} req/s "
         f"{row['output_tps']:.1f} tok/s goodput {row['goodput_rps']:.2f}/s  TTFT p50/p99 "
         f"{row['ttft_ms']['p50']}/{row['ttft_ms']['p99']} ms  ITL p50/p99 "
         f"{row['itl_ms']['p50']}/{row['itl_ms']['p99']} ms  cache {row['cache_hit_rate']}"
+        + encoders
+        + steps
     )
 
 
@@ -693,6 +835,14 @@ def plot(rows: list[dict], path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     args.rates = [float(r) for r in args.request_rate.split(",")]
+    if args.rate_schedule:
+        args.schedule = parse_schedule(args.rate_schedule)
+        args.times = schedule_arrivals(args.schedule, args.seed)
+        if not args.times:
+            raise SystemExit("--rate-schedule: no request falls within it")
+        args.num_requests = len(args.times)
+        args.rates = [round(len(args.times) / sum(s for _, s in args.schedule), 3)]
+    settings = [e.strip() for e in args.encoders.split(",")]
     topologies = [t.strip() for t in args.topology.split(",")]
     unknown = set(topologies) - set(TOPOLOGIES)
     if unknown:
@@ -713,7 +863,8 @@ def run(args: argparse.Namespace) -> int:
             datasets[rate, reuse] = synthetic(args, reuse, args.seed + 1000 * i)
     rows = []
     for topology in topologies:
-        rows += asyncio.run(bench_topology(topology, args, model_dir, datasets))
+        for encoders in settings if topology == "e+pd" else settings[:1]:
+            rows += asyncio.run(bench_topology(topology, args, model_dir, datasets, encoders))
     summary = {
         "bench": "serve",
         "model": model_dir.name,
@@ -722,8 +873,10 @@ def run(args: argparse.Namespace) -> int:
         "output_tokens": args.output_tokens,
         "slo_ms": {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms},
         "stages_note": STAGES_NOTE,
+        "rate_schedule": args.rate_schedule,
         "results": rows,
         "ratios": _ratios(rows),
+        "encoders_vs": _encoder_ratios(rows),
     }
     if args.plot:
         plot(rows, args.plot)
@@ -769,6 +922,35 @@ def _ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _encoder_ratios(rows: list[dict]) -> list[dict]:
+    """Each `e+pd` encoder setting over the first one, for each rate and reuse: TTFT p50 / p99
+    and encoder-seconds (--encoders 1,auto: what the planner costs and gives against one)."""
+    e_pd = [r for r in rows if r["topology"] == "e+pd" and "encoders" in r]
+    settings = list(dict.fromkeys(r["encoders"] for r in e_pd))
+    by_key = {(r["encoders"], r["request_rate"], r["reuse"]): r for r in e_pd}
+
+    def ratio(a, b):
+        return round(a / b, 3) if a is not None and b else None
+
+    out = []
+    for (encoders, rate, reuse), row in by_key.items():
+        base = by_key.get((settings[0], rate, reuse))
+        if encoders == settings[0] or base is None:
+            continue
+        out.append(
+            {
+                "encoders": encoders,
+                "baseline": settings[0],
+                "request_rate": rate,
+                "reuse": reuse,
+                "ttft_p50": ratio(row["ttft_ms"]["p50"], base["ttft_ms"]["p50"]),
+                "ttft_p99": ratio(row["ttft_ms"]["p99"], base["ttft_ms"]["p99"]),
+                "encoder_seconds": ratio(row["encoder_seconds"], base["encoder_seconds"]),
+            }
+        )
+    return out
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serving under load: TTFT / ITL / goodput per topology")
     p.add_argument("--model", help="checkpoint directory (default: the random small model)")
@@ -789,7 +971,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset", help="JSONL requests instead of the synthetic set")
     p.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="goodput's TTFT target")
     p.add_argument("--tpot-slo-ms", type=float, default=200.0, help="goodput's TPOT target")
-    p.add_argument("--encoders", type=int, default=1, help="e+pd: encoder workers")
+    p.add_argument(
+        "--encoders",
+        default="1",
+        help="e+pd: encoder workers, or auto[:MIN:MAX] (the encoder planner); comma-separated "
+        "settings run one after another (1,3,auto:1:4)",
+    )
+    p.add_argument(
+        "--rate-schedule",
+        help="RATE:SECONDS,... a load that steps (4:20,16:20,4:20) instead of --request-rate",
+    )
+    p.add_argument(
+        "--scale-down-seconds",
+        type=float,
+        default=15.0,
+        help="--encoders auto: proxy.encoder_scale_down_seconds (15; the config's default, 60, "
+        "outlasts a short run)",
+    )
     p.add_argument("--lm-workers", type=int, default=1, help="e+pd: LM workers")
     p.add_argument("--prefill-workers", type=int, default=1, help="e+p+d: prefill workers")
     p.add_argument("--decode-workers", type=int, default=1, help="e+p+d: decode workers")
