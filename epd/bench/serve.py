@@ -896,56 +896,54 @@ def _finite(value):
     return value
 
 
+def _ratio(a, b) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
 def _ratios(rows: list[dict]) -> list[dict]:
-    """Each disaggregated topology (e+pd, e+p+d) over aggregated, for each rate and reuse both
-    ran (TTFT p50 / ITL p50 / goodput)."""
+    """Each disaggregated row (e+pd per encoder setting, e+p+d) over aggregated at the same rate
+    and reuse (TTFT p50 / ITL p50 / goodput)."""
+    bases = {(r["request_rate"], r["reuse"]): r for r in rows if r["topology"] == "aggregated"}
     out = []
-    by_key = {(r["topology"], r["request_rate"], r["reuse"]): r for r in rows}
-
-    def ratio(a, b):
-        return round(a / b, 3) if a is not None and b else None
-
-    for (topology, rate, reuse), row in by_key.items():
-        base = by_key.get(("aggregated", rate, reuse))
-        if topology == "aggregated" or base is None:
+    for row in rows:
+        base = bases.get((row["request_rate"], row["reuse"]))
+        if row["topology"] == "aggregated" or base is None:
             continue
         out.append(
             {
-                "topology": topology,
-                "request_rate": rate,
-                "reuse": reuse,
-                "ttft_p50_vs_aggregated": ratio(row["ttft_ms"]["p50"], base["ttft_ms"]["p50"]),
-                "itl_p50_vs_aggregated": ratio(row["itl_ms"]["p50"], base["itl_ms"]["p50"]),
-                "goodput_vs_aggregated": ratio(row["goodput_rps"], base["goodput_rps"]),
+                "topology": row["topology"],
+                **({"encoders": row["encoders"]} if "encoders" in row else {}),
+                "request_rate": row["request_rate"],
+                "reuse": row["reuse"],
+                "ttft_p50_vs_aggregated": _ratio(row["ttft_ms"]["p50"], base["ttft_ms"]["p50"]),
+                "itl_p50_vs_aggregated": _ratio(row["itl_ms"]["p50"], base["itl_ms"]["p50"]),
+                "goodput_vs_aggregated": _ratio(row["goodput_rps"], base["goodput_rps"]),
             }
         )
     return out
 
 
 def _encoder_ratios(rows: list[dict]) -> list[dict]:
-    """Each `e+pd` encoder setting over the first one, for each rate and reuse: TTFT p50 / p99
+    """Each `e+pd` encoder setting over the first one at the same rate and reuse: TTFT p50 / p99
     and encoder-seconds (--encoders 1,auto: what the planner costs and gives against one)."""
     e_pd = [r for r in rows if r["topology"] == "e+pd" and "encoders" in r]
-    settings = list(dict.fromkeys(r["encoders"] for r in e_pd))
-    by_key = {(r["encoders"], r["request_rate"], r["reuse"]): r for r in e_pd}
-
-    def ratio(a, b):
-        return round(a / b, 3) if a is not None and b else None
-
+    first = e_pd[0]["encoders"] if e_pd else None
+    bases = {(r["request_rate"], r["reuse"]): r for r in e_pd if r["encoders"] == first}
     out = []
-    for (encoders, rate, reuse), row in by_key.items():
-        base = by_key.get((settings[0], rate, reuse))
-        if encoders == settings[0] or base is None:
+    for row in e_pd:
+        base = bases.get((row["request_rate"], row["reuse"]))
+        if row["encoders"] == first or base is None:
             continue
+        ttft, base_ttft = row["ttft_ms"], base["ttft_ms"]
         out.append(
             {
-                "encoders": encoders,
-                "baseline": settings[0],
-                "request_rate": rate,
-                "reuse": reuse,
-                "ttft_p50": ratio(row["ttft_ms"]["p50"], base["ttft_ms"]["p50"]),
-                "ttft_p99": ratio(row["ttft_ms"]["p99"], base["ttft_ms"]["p99"]),
-                "encoder_seconds": ratio(row["encoder_seconds"], base["encoder_seconds"]),
+                "encoders": row["encoders"],
+                "baseline": first,
+                "request_rate": row["request_rate"],
+                "reuse": row["reuse"],
+                "ttft_p50": _ratio(ttft["p50"], base_ttft["p50"]),
+                "ttft_p99": _ratio(ttft["p99"], base_ttft["p99"]),
+                "encoder_seconds": _ratio(row["encoder_seconds"], base["encoder_seconds"]),
             }
         )
     return out
