@@ -448,7 +448,8 @@ class LocalCluster:
 
     def supervise(self, now: float) -> int | None:
         """One pass: schedule the restart of what died, run the restarts that are due, check
-        the restarted roles' health. An exit code when the cluster must stop."""
+        the restarted roles' health, and with --encoders auto size the encoders to the planner's
+        answer (once a second). An exit code when the cluster must stop."""
         nodes = [] if isinstance(self.redis, EmbeddedRedis) else self._redis_children()
         if any(child.poll() is not None for child in nodes):
             # A node of the embedded Redis Cluster: not restarted (its slots would need
