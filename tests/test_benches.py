@@ -12,6 +12,12 @@ from common.process import epd_command, free_port
 from lm_worker.cpu_kernels import KERNELS
 
 
+def small_images_on_free_ports() -> tuple[str, ...]:
+    """`epd bench serve`'s image size and proxy ports for a run on the tiny model."""
+    ports = ("--grpc-port", str(free_port()), "--http-port", str(free_port()))
+    return ("--image-width", "112", "--image-height", "84", *ports)
+
+
 def bench(*args: str, stdout: list[str] | None = None) -> dict:
     result = subprocess.run(
         epd_command("bench", *args), capture_output=True, text=True, timeout=300
@@ -159,14 +165,7 @@ def test_bench_serve(tiny_checkpoint, tmp_path):
         "0.5",
         "--output-tokens",
         "4",
-        "--image-width",
-        "112",
-        "--image-height",
-        "84",
-        "--grpc-port",
-        str(free_port()),
-        "--http-port",
-        str(free_port()),
+        *small_images_on_free_ports(),
         "--plot",
         str(plot),
         "--topology",
@@ -228,14 +227,7 @@ def test_bench_serve_encoders_auto_under_a_stepped_load(tiny_checkpoint):
         "0",
         "--output-tokens",
         "2",
-        "--image-width",
-        "112",
-        "--image-height",
-        "84",
-        "--grpc-port",
-        str(free_port()),
-        "--http-port",
-        str(free_port()),
+        *small_images_on_free_ports(),
     )
     assert summary["rate_schedule"] == "6:1.5,2:1"
     (row,) = summary["results"]
