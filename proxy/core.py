@@ -36,6 +36,8 @@ from proxy.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
 
+# The planner's write to Redis may take this long (seconds) before the tick goes on without it.
+PUBLISH_TIMEOUT = 1.0
 # Prompts with fewer characters are built on the event loop (cheaper than a thread hop).
 INLINE_CHARS = 16384
 
@@ -130,10 +132,12 @@ class Proxy:
             loads = [w.load for w in self.encoders.workers.values() if w.up and w.load]
             decision = self.planner.update(loads)
             self._export(decision)
-            try:
-                await self.redis.hset(key, owner, decision.to_json(time.time()))
-            except redis.RedisError as e:
-                logger.debug("planner: could not publish to Redis: %s", e)
+            try:  # bounded: a hung store must not stop the ticks (the metrics go on)
+                await asyncio.wait_for(
+                    self.redis.hset(key, owner, decision.to_json(time.time())), PUBLISH_TIMEOUT
+                )
+            except (redis.RedisError, TimeoutError) as e:
+                logger.debug("planner: could not publish to Redis: %r", e)
 
     def _export(self, d: Decision) -> None:
         m = self.metrics
@@ -147,9 +151,10 @@ class Proxy:
         if self._planning is not None:
             self._planning.cancel()
             await asyncio.gather(self._planning, return_exceptions=True)
-            with contextlib.suppress(redis.RedisError):
+            with contextlib.suppress(redis.RedisError, TimeoutError):
                 key = planner_key(self.config.connector.namespace)
-                await self.redis.hdel(key, self.frontend.dispatcher.owner)
+                owner = self.frontend.dispatcher.owner
+                await asyncio.wait_for(self.redis.hdel(key, owner), PUBLISH_TIMEOUT)
         await self.realtime.close()
         await self.encoders.close()
         await self.lms.close()
