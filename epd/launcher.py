@@ -54,6 +54,7 @@ from common.health import health_status
 from common.process import Child, epd_command, free_port, port_is_free
 from common.served_model import resolve_model
 from connector import EmbeddedRedis, EmbeddedServerError, redact_url
+from connector.client import sync_client
 from connector.embedded import EmbeddedCluster, default_maxmemory
 from connector.registry import restarts_key
 from models.demo import BUILTIN_DIR
@@ -223,6 +224,7 @@ class LocalCluster:
         self.encoders = [self._encoder_role(i) for i in range(num_encoders)]
         self._next_encoder = num_encoders
         self._last_plan = 0.0
+        self._client: redis.Redis | redis.cluster.RedisCluster | None = None  # _store()
         self.lm_workers = [
             Role(f"lm-{i}", "lm", f"127.0.0.1:{free_port()}") for i in range(num_lm_workers)
         ]
@@ -510,10 +512,8 @@ class LocalCluster:
     def _scale(self, now: float) -> None:
         """Start or drain encoders toward the planner's answer (the largest of the proxies'
         fresh answers in Redis; none fresh: nothing changes)."""
-        c = self.config.connector
         try:
-            with redis.Redis.from_url(c.redis_url, socket_timeout=2, socket_connect_timeout=2) as r:
-                entries = r.hgetall(planner_key(c.namespace))
+            entries = self._store().hgetall(planner_key(self.config.connector.namespace))
         except (redis.RedisError, OSError) as e:
             logger.warning("could not read the planner's answer: %s", e)
             return
@@ -613,12 +613,21 @@ class LocalCluster:
 
     def _write_record(self, name: str, value: dict) -> None:
         """Best effort: Redis may be down too."""
-        c = self.config.connector
+        key = restarts_key(self.config.connector.namespace)
         try:
-            with redis.Redis.from_url(c.redis_url, socket_timeout=2, socket_connect_timeout=2) as r:
-                r.hset(restarts_key(c.namespace), name, json.dumps(value))
+            self._store().hset(key, name, json.dumps(value))
         except (redis.RedisError, OSError) as e:
             logger.warning("could not record %s's restart in Redis: %s", name, e)
+
+    def _store(self) -> redis.Redis | redis.cluster.RedisCluster:
+        """The launcher's own Redis client (restart records, the planner's answer), made on
+        first use, once the connector's URL is known: 2 s a command and one retry, so a Redis
+        that is down costs the supervision loop seconds, not minutes; it reconnects by itself
+        after the embedded server restarts."""
+        if self._client is None:
+            c = self.config.connector
+            self._client = sync_client(c.redis_url, op_timeout=2.0, retries=1, mode=c.mode)
+        return self._client
 
     def _redis_children(self) -> list[Child]:
         servers = self.redis.nodes if self.redis is not None else []
@@ -631,6 +640,8 @@ class LocalCluster:
         self._stop_group([self.proxy], c.proxy.drain_timeout_seconds + 10)
         drain = max(c.encoder.drain_timeout_seconds, c.lm.drain_timeout_seconds) + 10
         self._stop_group(self.encoders + self.lm_workers, drain)
+        if self._client is not None:
+            self._client.close()
         if self.redis is not None:
             self.redis.stop()
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -27,7 +27,7 @@ from proto import epd_pb2, epd_pb2_grpc
 from proxy.affinity import Affinity
 from proxy.frontend import Chunk, Frontend
 from proxy.metrics import ProxyMetrics
-from proxy.planner import Decision, Planner, planner_key
+from proxy.planner import Planner, planner_key
 from proxy.prepare import ChatMessage, PreparedRequest, RequestBuilder
 from proxy.realtime import RealtimeService
 from proxy.timeline import Timeline
@@ -115,6 +115,16 @@ class Proxy:
             p.encoder_scale_down_seconds,
         )
         self._planning: asyncio.Task | None = None
+        # The planner's answer and inputs on /metrics, read off its last decision (0 before one).
+        planner_gauges = (
+            (metrics.encoders_desired, "desired"),
+            (metrics.planner_need, "need"),
+            (metrics.planner_work, "work"),
+            (metrics.planner_backlog, "backlog_seconds"),
+            (metrics.planner_seconds_per_item, "seconds_per_item"),
+        )
+        for gauge, name in planner_gauges:
+            gauge.set_function(lambda name=name: getattr(self.planner.last, name, None) or 0)
 
     async def start(self) -> None:
         await self.encoders.start()
@@ -131,21 +141,12 @@ class Proxy:
             await asyncio.sleep(self.config.proxy.load_poll_seconds)
             loads = [w.load for w in self.encoders.workers.values() if w.up and w.load]
             decision = self.planner.update(loads)
-            self._export(decision)
             try:  # bounded: a hung store must not stop the ticks (the metrics go on)
                 await asyncio.wait_for(
                     self.redis.hset(key, owner, decision.to_json(time.time())), PUBLISH_TIMEOUT
                 )
             except (redis.RedisError, TimeoutError) as e:
                 logger.debug("planner: could not publish to Redis: %r", e)
-
-    def _export(self, d: Decision) -> None:
-        m = self.metrics
-        m.encoders_desired.set(d.desired)
-        m.planner_need.set(d.need)
-        m.planner_work.set(d.work)
-        m.planner_backlog.set(d.backlog_seconds)
-        m.planner_seconds_per_item.set(d.seconds_per_item or 0.0)
 
     async def close(self) -> None:
         if self._planning is not None:

@@ -166,7 +166,8 @@ class ProxyMetrics:
         )
         self.planner_backlog = Gauge(
             "epd_planner_backlog_seconds",
-            "Encoder-seconds of work queued at the encoders (queued items x seconds per item)",
+            "Encoder-seconds of work not done at the encoders (queued and running items x "
+            "seconds per item)",
             **kw,
         )
         self.planner_seconds_per_item = Gauge(

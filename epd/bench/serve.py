@@ -620,16 +620,14 @@ async def bench_topology(
                 label += f" encoders {encoders}"
             before = await stages.totals()
             started = time.monotonic()
-            results, wall = await run_load(
-                client, requests, rate, args.seed, label, getattr(args, "times", None)
-            )
+            results, wall = await run_load(client, requests, rate, args.seed, label, args.times)
             after = await stages.totals()
             row = {"topology": topology, "request_rate": rate, "reuse": reuse}
             if cluster is not None:
                 row["encoders"] = encoders
                 row |= meter.between(started, started + wall)
             row |= summarize(results, wall, args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
-            if getattr(args, "times", None) is not None:
+            if args.times is not None:
                 row["steps"] = _steps(args, results, meter, started)
             row["stages"] = {
                 "source": stages.source,
@@ -835,6 +833,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     args.rates = [float(r) for r in args.request_rate.split(",")]
+    args.times = None  # send times of a --rate-schedule (None: Poisson at each rate)
     if args.rate_schedule:
         args.schedule = parse_schedule(args.rate_schedule)
         args.times = schedule_arrivals(args.schedule, args.seed)
