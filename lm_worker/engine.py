@@ -393,6 +393,10 @@ class LMEngine:
         for request, token in zip(inputs.sampling_requests, sampled, strict=True):
             live = self.live[request.request_id]
             request.output_token_ids.append(token.token_id)
+            if request.grammar is not None and not request.grammar.accept(token.token_id):
+                error = f"token {token.token_id} broke the grammar: {request.grammar.error()}"
+                self._finish(request, "error", error=error, error_kind="request")
+                continue
             if request.first_token is None:
                 request.first_token = now
                 self.metrics.ttft.observe(now - request.arrival)
@@ -426,6 +430,8 @@ class LMEngine:
             return "stop"
         if token_id in p.stop_token_ids:
             return "stop"
+        if request.grammar is not None and request.grammar.done:
+            return "stop"  # the grammar is complete: only the end could come
         if request.num_tokens >= self.max_model_len or (
             p.max_tokens is not None and len(request.output_token_ids) >= p.max_tokens
         ):

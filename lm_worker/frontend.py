@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 
 from common import tracing
+from common.grammar import GrammarCompiler, GrammarError, Matcher
 from common.tracing import wall_ns
 from connector import AsyncECConnector, ConnectorError
 from connector.streams import SessionStreams
@@ -38,6 +40,10 @@ from lm_worker.request import Request
 from models import EmbeddingMismatch, LoadedEmbedding
 
 logger = logging.getLogger(__name__)
+
+# How long a request's grammar may take to compile before it is refused (the proxy compiled it
+# already, without the vocabulary; this bounds what only the vocabulary costs).
+GRAMMAR_SECONDS = 10.0
 
 
 class AlreadyRunning(ValueError):
@@ -173,6 +179,8 @@ class LMFrontend:
         self.feeder = RealtimeFeeder(streams, engine, max_realtime_sessions)
         self.overlap = overlap_encode_prefill
         self.calls: dict[str, _Call] = {}
+        self._grammars: GrammarCompiler | None = None  # made by the first constrained request
+        self._grammars_lock = threading.Lock()
 
     async def generate(
         self, request: Request, handover: Handover
@@ -182,6 +190,8 @@ class LMFrontend:
         before anything runs; TimeoutError, EmbeddingMismatch or ConnectorError when its
         embeddings cannot be had; RequestFailed when the engine ends it with an error. Closing
         the iterator early (the client went away) aborts the request."""
+        if request.sampling.structured is not None:
+            request.grammar = await self._grammar(request)
         call = self._admit(request)
         session = request.realtime_session
         finished = False  # the engine has ended the request (its last output came)
@@ -223,6 +233,37 @@ class LMFrontend:
                 self.engine.abort(request.request_id)
             if session is not None:
                 self.feeder.stop(session)
+
+    async def _grammar(self, request: Request) -> Matcher:
+        """The request's grammar matcher, off the event loop (a new schema compiles in
+        milliseconds to seconds), with a resumed request's output so far replayed into it.
+        BadRequest when it cannot be had within GRAMMAR_SECONDS."""
+        if request.sampling.ignore_eos:
+            raise BadRequest("ignore_eos cannot be combined with a structured output")
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(self._compile, request), GRAMMAR_SECONDS
+            )
+        except TimeoutError:
+            raise BadRequest(
+                f"the grammar did not compile within {GRAMMAR_SECONDS:.0f} s"
+            ) from None
+        except GrammarError as e:
+            raise BadRequest(str(e)) from None
+
+    def _compile(self, request: Request) -> Matcher:
+        with self._grammars_lock:
+            if self._grammars is None:
+                engine = self.engine
+                vocabulary = engine.tokenizer.to_json() if engine.tokenizer is not None else None
+                if vocabulary is None:
+                    raise GrammarError("this model's tokenizer cannot constrain its output")
+                eos = sorted(engine.eos_token_ids)
+                self._grammars = GrammarCompiler(vocabulary, engine.vocab_size, eos)
+        matcher = self._grammars.matcher(request.sampling.structured)
+        if request.resumed_output_tokens:
+            matcher.replay(request.prompt_token_ids[-request.resumed_output_tokens :])
+        return matcher
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in any state: waiting for its embeddings (the wait is cancelled

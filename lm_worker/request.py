@@ -45,6 +45,9 @@ class Request:
     # made by the engine when the request arrives.
     inputs: Any = None
     draws: Draws | None = None  # set when the request samples (or has a seed)
+    # Its place in its grammar (common/grammar.py Matcher) when sampling.structured is set:
+    # the sampler masks what it does not allow, and each sampled token advances it.
+    grammar: Any = None
     # A resumed request: its last `resumed_output_tokens` prompt tokens are output it gave
     # before (elsewhere), of which the client has received `resumed_text_chars` characters.
     resumed_output_tokens: int = 0

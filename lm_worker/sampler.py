@@ -1,4 +1,6 @@
-"""Sampling: greedy, temperature, top-k, top-p; per-request seeds; optional log-probabilities.
+"""Sampling: greedy, temperature, top-k, top-p; per-request seeds; optional log-probabilities;
+structured outputs (a request's grammar masks what it does not allow, in the same step as free
+requests).
 
 Each request owns its Draws (models.sampling): output token i draws from a generator seeded by
 (seed, i), so a seeded request gives the same tokens whatever it is batched with, after a
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lm_worker.request import Request
@@ -32,6 +35,12 @@ class Sampler:
         if logits.dtype != torch.float32:  # (a call that does nothing still costs one)
             logits = logits.float()
         params = [r.sampling for r in requests]
+        # Log-probabilities are the model's own, before a grammar's mask (vLLM's default).
+        logprobs = None
+        if any(p.logprobs is not None for p in params):
+            logprobs = torch.log_softmax(logits, dim=-1)
+        if any(r.grammar is not None for r in requests):
+            mask_grammar(logits, [r.grammar for r in requests])
         if all(p.greedy for p in params):
             token_ids = _argmax(logits)
         else:
@@ -40,8 +49,7 @@ class Sampler:
                 for row, r in zip(logits, requests, strict=True)
             ]
         out = [SampledToken(t) for t in token_ids]
-        if any(p.logprobs is not None for p in params):
-            logprobs = torch.log_softmax(logits, dim=-1)
+        if logprobs is not None:
             for i, p in enumerate(params):
                 if p.logprobs is None:
                     continue
@@ -55,6 +63,21 @@ class Sampler:
         if request.draws is None:
             request.draws = Draws(request.sampling.seed, start=request.resumed_output_tokens)
         return sample_row(row, request.sampling, request.draws.next())
+
+
+def mask_grammar(logits: torch.Tensor, grammars: Sequence) -> None:
+    """Set to -inf, in place, every logit a row's grammar does not allow next (rows whose
+    grammar is None untouched): one masked fill for the batch. GrammarError when a grammar
+    allows nothing (the step's isolation then fails that request alone)."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    allowed = np.zeros((len(rows), logits.shape[1]), dtype=bool)
+    for j, i in enumerate(rows):
+        row = grammars[i].allowed()  # the tokenizer's ids; the LM's padding rows stay False
+        allowed[j, : len(row)] = row[: logits.shape[1]]
+    with torch.inference_mode():  # the forward's logits are inference tensors
+        index = torch.tensor(rows, device=logits.device)
+        blocked = torch.from_numpy(~allowed).to(logits.device)
+        logits[index] = logits[index].masked_fill(blocked, float("-inf"))
 
 
 def _argmax(logits: torch.Tensor) -> list[int]:

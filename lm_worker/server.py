@@ -21,6 +21,7 @@ import numpy as np
 from common import tracing
 from common.cluster_auth import required_token
 from common.config import ClusterConfig, parse_address
+from common.grammar import constraint_of
 from common.media import MODALITY_NAMES
 from common.served_model import resolve_model
 from common.server import RoleServer, Service, run_worker
@@ -100,6 +101,7 @@ def to_request(msg: epd_pb2.LMGenerateRequest) -> Request:
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
             logprobs=s.logprobs if s.HasField("logprobs") else None,
+            structured=constraint_of(s),
         )
     except ValueError as e:
         raise BadRequest(str(e)) from None

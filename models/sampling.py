@@ -15,6 +15,14 @@ MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """A grammar the output must follow (structured outputs; common/grammar.py compiles it)."""
+
+    kind: str  # "json_schema", "json_object", "regex" or "lark"
+    text: str = ""  # the schema's JSON, the regex or the grammar; "" for json_object
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = None  # None: until a stop, or the context is full
     temperature: float = 1.0  # 0: greedy
@@ -25,6 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; N: the sampled token's and the N most likely
+    structured: Constraint | None = None  # None: free text
 
     def __post_init__(self):
         for key in ("temperature", "top_p"):

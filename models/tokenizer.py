@@ -63,6 +63,11 @@ class Tokenizer:
         """Ids the tokenizer knows, added tokens included (the LM's rows may be more)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str | None:
+        """tokenizer.json's text (what a grammar library reads the vocabulary from); None
+        for a tokenizer that has none."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -31,7 +31,7 @@ from proxy.planner import Planner, planner_key
 from proxy.prepare import ChatMessage, PreparedRequest, RequestBuilder
 from proxy.realtime import RealtimeService
 from proxy.timeline import Timeline
-from proxy.validate import Limits, check_prepared
+from proxy.validate import Limits, check_prepared, check_structured
 from proxy.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -193,6 +193,7 @@ class Proxy:
         else:
             prepared = await asyncio.to_thread(build, prompt, media, *args, **kwargs)
         check_prepared(prepared, self.limits())
+        await check_structured(prepared.sampling)
         prepared.stages.add("validate", started, items=len(prepared.items))
         return prepared
 

@@ -13,6 +13,7 @@ touches a worker.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -25,6 +26,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from common import grammar
 from models import AudioClip, MediaInput
 from proto import epd_pb2
 from proxy.prepare import BadInput, ChatMessage, Part, PreparedRequest
@@ -36,6 +38,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_REQUEST_ID_CHARS = 256
 MAX_LOGPROBS = 20
+# A structured output that compiles slower than this (without the vocabulary) is refused.
+GRAMMAR_CHECK_SECONDS = 5.0
 UINT32 = 2**32 - 1
 # A token is at most this many characters in any tokenizer we serve: a text longer than the
 # context times this is over the context without being tokenized.
@@ -229,7 +233,69 @@ def parse_sampling(body: dict) -> epd_pb2.SamplingParams:
     for key in ("frequency_penalty", "presence_penalty"):
         if _number(body, key, -2.0, 2.0):
             raise BadInput(f"{key} is not supported")
+    parse_structured(body, s.structured)
     return s
+
+
+def parse_structured(body: dict, out: epd_pb2.StructuredOutput) -> None:
+    """OpenAI's `response_format` (json_object, json_schema) and vLLM's `structured_outputs`
+    (json, regex, grammar: one of them) into `out`; checked for shape here, for what the
+    grammar library supports by `check_structured`."""
+    fmt = _opt(body, "response_format", dict, "an object")
+    extra = _opt(body, "structured_outputs", dict, "an object")
+    if fmt is not None and extra is not None:
+        raise BadInput("give response_format or structured_outputs, not both")
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            out.json_object = True
+        elif kind == "json_schema":
+            spec = _opt(fmt, "json_schema", dict, "an object")
+            if spec is None or not isinstance(spec.get("schema"), dict):
+                raise BadInput("response_format.json_schema.schema must be a JSON schema object")
+            name = spec.get("name")
+            if name is not None and not isinstance(name, str):
+                raise BadInput("response_format.json_schema.name must be a string")
+            out.json_schema = json.dumps(spec["schema"])
+        elif kind != "text":
+            raise BadInput(
+                f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+            )
+    if extra is not None:
+        given = [k for k in ("json", "regex", "grammar") if extra.get(k) is not None]
+        unknown = sorted(set(extra) - {"json", "regex", "grammar"})
+        if unknown or len(given) != 1:
+            raise BadInput("structured_outputs takes exactly one of json, regex, grammar")
+        value = extra[given[0]]
+        if given[0] == "json":
+            if not isinstance(value, dict | str):
+                raise BadInput("structured_outputs.json must be a JSON schema")
+            out.json_schema = value if isinstance(value, str) else json.dumps(value)
+        elif not isinstance(value, str):
+            raise BadInput(f"structured_outputs.{given[0]} must be a string")
+        elif given[0] == "regex":
+            out.regex = value
+        else:
+            out.lark = value
+
+
+async def check_structured(s: epd_pb2.SamplingParams) -> None:
+    """A request's structured output, compiled without the vocabulary off the event loop:
+    BadInput naming what the grammar library refused, or that it took longer than
+    GRAMMAR_CHECK_SECONDS. Nothing when there is none."""
+    constraint = grammar.constraint_of(s)
+    if constraint is None:
+        return
+    if s.ignore_eos:
+        raise BadInput("ignore_eos cannot be combined with a structured output")
+    try:
+        await asyncio.wait_for(asyncio.to_thread(grammar.check, constraint), GRAMMAR_CHECK_SECONDS)
+    except TimeoutError:
+        raise BadInput(
+            f"the {constraint.kind} did not compile within {GRAMMAR_CHECK_SECONDS:.0f} s"
+        ) from None
+    except grammar.GrammarError as e:
+        raise BadInput(str(e)) from None
 
 
 def check_stop(stops: list[str]) -> None:

@@ -1,10 +1,11 @@
 """The prefill / decode split on a real cluster: one prefill worker, two decode workers, the KV
 tier in the embedded Redis. Greedy tokens through P + D equal the reference's (text, one image,
 two images, prompts chunked on the prefill worker); a decode worker killed mid-stream loses no
-stream and repeats or skips no token."""
+stream and repeats or skips no token, a constrained one (structured outputs) included."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
@@ -15,14 +16,17 @@ import pytest
 import redis
 
 from common.config import load_config
+from common.grammar import GrammarCompiler
 from common.served_model import resolve_model
-from models import MediaInput, MMFeature
+from models import MediaInput, MMFeature, Tokenizer
 from models.qwen2_vl.family import MRopeState
+from models.sampling import Constraint
 from models.testing import ImageItem
 from proto import epd_pb2, epd_pb2_grpc
 from proxy.prepare import ChatMessage, Part, RequestBuilder
 from tests.cluster_helpers import Cluster, image_bytes
 from tests.helpers import wait_until, worker_channel
+from tests.lm_helpers import case, make_engine, run
 
 MAX_TOKENS = 12
 ROLES = ("prefill", "decode", "decode")
@@ -235,21 +239,40 @@ def test_one_token_requests_stay_on_one_worker(cluster, tiny_ref):
     assert cluster.metric("epd_pd_handovers_total") == handovers
 
 
-def test_kill_9_of_a_decode_worker_mid_stream_loses_no_stream(cluster, tiny_ref):
-    """Six long streams over two decode workers; one decode worker is killed once every stream
-    has output. Each stream completes token-identical to the reference: its new decode worker
-    re-prefills from the KV tier (prompt and the blocks already decoded)."""
+def constrained_tokens(checkpoint, ref, text: str, regex: str, max_tokens: int) -> list[int]:
+    """The greedy tokens of `text` under `regex`, from an engine in this process."""
+    c = case(ref, "constrained", text, max_tokens=1)
+    request = c.request(ignore_eos=False, max_tokens=max_tokens)
+    request.sampling = dataclasses.replace(request.sampling, structured=Constraint("regex", regex))
+    engine = make_engine(checkpoint)
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    grammars = GrammarCompiler(tokenizer.to_json(), engine.vocab_size, sorted(engine.eos_token_ids))
+    request.grammar = grammars.matcher(request.sampling.structured)
+    return run(engine, (request, c.embeddings))["constrained"].token_ids
+
+
+def test_kill_9_of_a_decode_worker_mid_stream_loses_no_stream(cluster, tiny_ref, tiny_checkpoint):
+    """Six long streams over two decode workers, and a seventh constrained to a regex (its
+    grammar's state goes from the prefill to the decode worker, and on to the survivor, by
+    replaying its output); one decode worker is killed once every stream has output. Each
+    stream completes token-identical to the reference (the constrained one: to an engine's in
+    this process): its new decode worker re-prefills from the KV tier (prompt and the blocks
+    already decoded)."""
     max_tokens = 800
-    texts = [f"Tell me about number {i} at length" for i in range(6)]
-    want = [expected(tiny_ref, t, max_tokens=max_tokens) for t in texts]
+    texts = [f"Tell me about number {i} at length" for i in range(7)]
+    regex = "[a-z ]{600,}"  # no end before max_tokens
+    want = [expected(tiny_ref, t, max_tokens=max_tokens) for t in texts[:6]]
+    want.append(constrained_tokens(tiny_checkpoint, tiny_ref, texts[6], regex, max_tokens))
+    assert len(want[6]) == max_tokens
     results: list[list[int]] = [[] for _ in texts]
     errors: list[str] = []
     done = [False] * len(texts)
 
     def stream(i: int) -> None:
-        request = epd_pb2.GenerateRequest(
-            sampling=epd_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        )
+        sampling = epd_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=i < 6)
+        if i == 6:
+            sampling.structured.regex = regex
+        request = epd_pb2.GenerateRequest(sampling=sampling)
         request.chat.messages.add(role="user", content=[epd_pb2.ContentPart(text=texts[i])])
         try:
             for response in cluster.stub.Generate(request, timeout=90):
@@ -259,7 +282,7 @@ def test_kill_9_of_a_decode_worker_mid_stream_loses_no_stream(cluster, tiny_ref)
         done[i] = True
 
     migrations = cluster.metric("epd_migrations_total")
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(6)]
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(7)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60

@@ -44,6 +44,9 @@ class TekkenTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._tekken.n_words
 
+    def to_json(self) -> str | None:
+        return None  # tekken.json is not a tokenizer.json: no structured outputs
+
     def token_to_id(self, token: str) -> int | None:
         try:
             return self._tekken.get_special_token(token)

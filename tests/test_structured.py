@@ -1,0 +1,339 @@
+"""Structured outputs (common/grammar.py): a request's grammar masks the tokens it does not
+allow in the sampler, in the same steps as free requests; the proxy refuses what cannot be
+enforced before any work; through the whole cluster with the `openai` client, on the built-in
+model (which knows only pictures: every valid JSON answer is the constraint's work)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import grpc
+import jsonschema
+import openai
+import pytest
+import torch
+
+from common.grammar import MAX_CONSTRAINT_CHARS, Constraint, GrammarCompiler, GrammarError, check
+from common.served_model import builtin_model
+from models import Tokenizer
+from proto import epd_pb2, epd_pb2_grpc
+from tests.lm_helpers import case, make_engine, run
+
+SCHEMAS = {
+    "enums and bounded integers": {
+        "type": "object",
+        "properties": {
+            "shape": {"enum": ["circle", "square", "triangle"]},
+            "count": {"type": "integer", "minimum": 0, "maximum": 9},
+            "filled": {"type": "boolean"},
+        },
+        "required": ["shape", "count", "filled"],
+        "additionalProperties": False,
+    },
+    "nested objects and an array with bounds": {
+        "type": "object",
+        "properties": {
+            "scene": {
+                "type": "object",
+                "properties": {
+                    "shapes": {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": 3,
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "colour": {"enum": ["red", "green", "blue"]},
+                                "size": {"type": "integer", "minimum": 1, "maximum": 5},
+                            },
+                            "required": ["colour", "size"],
+                            "additionalProperties": False,
+                        },
+                    }
+                },
+                "required": ["shapes"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["scene"],
+        "additionalProperties": False,
+    },
+    "patterns and numbers": {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[a-z]{2,4}-[0-9]{2}$"},
+            "x": {"type": "number", "minimum": -1.5, "maximum": 2.5, "multipleOf": 0.25},
+        },
+        "required": ["code", "x"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def builtin_grammars() -> tuple[GrammarCompiler, Tokenizer]:
+    tokenizer = Tokenizer.from_dir(builtin_model())
+    return GrammarCompiler(tokenizer.to_json(), 512, [tokenizer.eos_token_id]), tokenizer
+
+
+def sample_under(compiler: GrammarCompiler, constraint: Constraint, seed: int) -> list[int]:
+    """Tokens drawn from random logits under the constraint's mask, to its end."""
+    g = torch.Generator().manual_seed(seed)
+    matcher, out = compiler.matcher(constraint), []
+    while not matcher.done and len(out) < 400:
+        logits = torch.randn(compiler.vocab_size, generator=g) * 3
+        logits[~torch.from_numpy(matcher.allowed())] = float("-inf")
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g))
+        assert matcher.accept(token)
+        out.append(token)
+        if token in compiler.tokenizer.eos_tokens:
+            break
+    return out
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_random_logits_under_a_schema_always_give_valid_json(builtin_grammars, name):
+    compiler, tokenizer = builtin_grammars
+    schema = SCHEMAS[name]
+    for seed in range(12):
+        tokens = sample_under(compiler, Constraint("json_schema", json.dumps(schema)), seed)
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_and_regex_constraints(builtin_grammars):
+    compiler, tokenizer = builtin_grammars
+    for seed in range(6):
+        text = tokenizer.decode(
+            sample_under(compiler, Constraint("regex", r"(yes|no), [0-9]{3}"), seed),
+            skip_special_tokens=True,
+        )
+        assert re.fullmatch(r"(yes|no), [0-9]{3}", text), text
+    # Any JSON object: its mask allows "{" first and nothing else that could start text.
+    matcher = compiler.matcher(Constraint("json_object"))
+    allowed = [tokenizer.decode([t]) for t in matcher.allowed().nonzero()[0]]
+    assert allowed and all(a.lstrip().startswith("{") for a in allowed), allowed
+
+
+@pytest.mark.parametrize(
+    ("constraint", "named"),
+    [
+        (Constraint("json_schema", '{"type": "array", "uniqueItems": true}'), "uniqueItems"),
+        (Constraint("json_schema", '{"properties": {"a": {"not": {}}}}'), '"not"'),
+        (Constraint("json_schema", '{"type": "colour"}'), "colour"),
+        (Constraint("json_schema", "[1, 2]"), "must be a JSON object"),
+        (Constraint("json_schema", "{nope"), "not valid JSON"),
+        (Constraint("regex", "(a"), "unclosed group"),
+        (Constraint("lark", "start: foo"), "foo"),
+        (Constraint("regex", "a" * (MAX_CONSTRAINT_CHARS + 1)), "at most"),
+    ],
+)
+def test_what_cannot_be_enforced_is_refused_by_name(constraint, named):
+    with pytest.raises(GrammarError) as e:
+        check(constraint)
+    assert named in str(e.value)
+
+
+def test_a_compiled_grammar_is_kept_and_each_request_gets_its_own_copy(builtin_grammars):
+    compiler, tokenizer = builtin_grammars
+    schema = {**SCHEMAS["enums and bounded integers"], "title": "only this test's"}
+    constraint = Constraint("json_schema", json.dumps(schema))
+    before = compiler.compiled
+    first, second = compiler.matcher(constraint), compiler.matcher(constraint)
+    assert compiler.compiled - before == 1  # the second came from the cache
+    for token in tokenizer.encode('{"shape":"sq'):  # compact JSON: no free whitespace
+        assert first.accept(token)
+    # The second is still at the start: only "{" may begin it.
+    assert (first.allowed() != second.allowed()).any()
+    assert not second.accept(tokenizer.encode('"')[0])
+
+
+# -- in the engine ------------------------------------------------------------------------------
+
+ENGINE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["colour", "n", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_grammars(tiny_checkpoint) -> tuple[GrammarCompiler, Tokenizer]:
+    tokenizer = Tokenizer.from_dir(tiny_checkpoint)
+    engine = make_engine(tiny_checkpoint)
+    compiler = GrammarCompiler(tokenizer.to_json(), engine.vocab_size, sorted(engine.eos_token_ids))
+    return compiler, tokenizer
+
+
+def constrained(c, compiler: GrammarCompiler, **sampling):
+    """The case's request under ENGINE_SCHEMA, its matcher set as the LM frontend sets it."""
+    request = c.request(ignore_eos=False, max_tokens=80, **sampling)
+    constraint = Constraint("json_schema", json.dumps(ENGINE_SCHEMA))
+    request.sampling = replace(request.sampling, structured=constraint)
+    request.grammar = compiler.matcher(constraint)
+    return request
+
+
+def test_constrained_and_free_requests_share_steps(tiny_checkpoint, tiny_ref, tiny_grammars):
+    """A constrained request in the same steps as free ones: the free ones' tokens are the
+    reference's (the mask touched their rows not at all), the constrained one's are valid."""
+    compiler, tokenizer = tiny_grammars
+    free = [case(tiny_ref, f"free{i}", f"Say something about {i}") for i in range(2)]
+    json_case = case(tiny_ref, "json", "Describe the colour", max_tokens=4)
+    engine = make_engine(tiny_checkpoint)
+    batches = []
+    sample = engine.sampler.__call__
+
+    def watched(logits, requests):
+        batches.append({r.request_id for r in requests})
+        return sample(logits, requests)
+
+    engine.sampler = watched
+    out = run(engine, *free, (constrained(json_case, compiler), json_case.embeddings))
+    for c in free:
+        assert out[c.request_id].token_ids == c.expected, c.request_id
+    got = out["json"]
+    assert got.last.finish_reason == "stop", got.last
+    jsonschema.validate(json.loads(tokenizer.decode(got.token_ids, skip_special_tokens=True)),
+                        ENGINE_SCHEMA)  # fmt: skip
+    assert any({"json", "free0", "free1"} <= b for b in batches)
+
+
+def test_a_resumed_constrained_request_replays_its_output_and_goes_on_alike(
+    tiny_checkpoint, tiny_ref, tiny_grammars
+):
+    """A migration or the decode stage after a prefill: a new worker gets the output so far as
+    the end of its prompt, replays it into a fresh matcher, and gives the same tokens the
+    unbroken request gave (greedy), the whole still valid."""
+    compiler, tokenizer = tiny_grammars
+    c = case(tiny_ref, "whole", "Describe the colour", max_tokens=4)
+    whole = run(make_engine(tiny_checkpoint), (constrained(c, compiler), c.embeddings))
+    tokens = whole["whole"].token_ids
+    assert len(tokens) > 6
+    k = 5
+    resumed = constrained(replace(c, request_id="rest"), compiler)
+    resumed.prompt_token_ids = resumed.prompt_token_ids + tokens[:k]
+    resumed.resumed_output_tokens = k
+    resumed.sampling = replace(resumed.sampling, max_tokens=80 - k)
+    resumed.grammar.replay(tokens[:k])
+    rest = run(make_engine(tiny_checkpoint), (resumed, c.embeddings))
+    assert tokens[:k] + rest["rest"].token_ids == tokens
+    jsonschema.validate(json.loads(tokenizer.decode(tokens, skip_special_tokens=True)),
+                        ENGINE_SCHEMA)  # fmt: skip
+
+
+# -- through the cluster ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from tests.cluster_helpers import Cluster
+
+    c = Cluster(tmp_path_factory.mktemp("structured"), builtin_model(), encoders=1)
+    yield c
+    c.stop()
+
+
+def client_of(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.proxy_http}/v1", api_key="-")
+
+
+def json_schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+                                                   "strict": True}}  # fmt: skip
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_openai_client_gets_valid_json_for_every_schema(cluster, temperature):
+    client = client_of(cluster)
+    for name, schema in SCHEMAS.items():
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "What is in the picture?"}],
+            temperature=temperature,
+            seed=3,
+            max_tokens=200,
+            response_format=json_schema_format(schema),
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", (name, choice)
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_streamed_structured_output_assembles_and_json_object(cluster):
+    client = client_of(cluster)
+    schema = SCHEMAS["nested objects and an array with bounds"]
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Which shapes are there?"}],
+        temperature=0.0,
+        max_tokens=200,
+        stream=True,
+        response_format=json_schema_format(schema),
+    )
+    chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len([c for c in chunks if c]) > 3
+    jsonschema.validate(json.loads("".join(chunks)), schema)
+    # Any JSON object: the built-in model's free answer is never one.
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "How many shapes are there?"}],
+        temperature=0.0,
+        max_tokens=300,
+        response_format={"type": "json_object"},
+    )
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    else:  # a string that runs to max_tokens: still the start of an object
+        assert reply.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"response_format": json_schema_format({"type": "array", "uniqueItems": True})},
+         "uniqueItems"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "schema must be a JSON schema object"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "(a"}}, "unclosed group"),
+        ({"structured_outputs": {"regex": "a", "grammar": "start: 'a'"}}, "exactly one"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ],
+)  # fmt: skip
+def test_bad_constraints_get_a_400_naming_the_problem(cluster, extra, says):
+    client = client_of(cluster)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], extra_body=extra
+        )
+    assert says in str(e.value)
+
+
+def test_grpc_generate_carries_the_constraint(cluster):
+    regex = r"(a red|a blue|a green) (circle|square)"
+    request = epd_pb2.GenerateRequest(
+        text="<|im_start|>user\nWhat is there?<|im_end|>\n<|im_start|>assistant\n",
+        sampling=epd_pb2.SamplingParams(
+            temperature=1.0, seed=5, max_tokens=40,
+            structured=epd_pb2.StructuredOutput(regex=regex),
+        ),
+    )  # fmt: skip
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.proxy_grpc}") as channel:
+        stub = epd_pb2_grpc.InferenceStub(channel)
+        replies = list(stub.Generate(request, timeout=60))
+        text = "".join(r.text for r in replies)
+        assert replies[-1].finish_reason == epd_pb2.FINISH_REASON_STOP
+        assert re.fullmatch(regex, text), text
+        bad = epd_pb2.GenerateRequest(text="hi")
+        bad.sampling.structured.lark = "start: ("
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(bad, timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
