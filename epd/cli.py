@@ -198,6 +198,7 @@ BENCH_MODULES = (
     "epd.bench.soak",
     "epd.bench.serve",
     "epd.bench.pd",
+    "epd.bench.structured",
 )
 
 

@@ -337,3 +337,20 @@ def test_grpc_generate_carries_the_constraint(cluster):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(bad, timeout=60))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_bench_structured(tiny_checkpoint, tmp_path):
+    """`epd bench structured` runs end to end (its figures are measured, never asserted)."""
+    from tests.test_benches import bench
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(ENGINE_SCHEMA))
+    summary = bench(
+        "structured", "--model", str(tiny_checkpoint), "--schema", str(schema),
+        "--streams", "1,2", "--tokens", "8", "--rounds", "1",
+    )  # fmt: skip
+    assert summary["bench"] == "structured" and summary["compile_cold_ms"] > 0
+    assert [r["streams"] for r in summary["results"]] == [1, 2]
+    for row in summary["results"]:
+        assert row["constrained_vs_free"] > 0 and row["mask_ms_per_step"] > 0
+        assert 0 < row["constrained_tokens_per_stream"] <= 8
