@@ -4,6 +4,8 @@
                                 video_url (data: URLs; the proxy fetches nothing; a video is
                                 a container file, MP4 / WebM / MKV / MOV), input_audio;
                                 vLLM's extensions top_k, ignore_eos, return_token_ids
+    POST /v1/completions        text completions: prompt as text or token ids (or a list of
+                                them), echo, logprobs, stream (proxy/completions.py)
     POST /v1/audio/transcriptions   multipart `file` (WAV, FLAC, OGG, MP3), model, language,
                                 temperature, response_format json | text | verbose_json,
                                 stream (SSE: transcript.text.delta / .done events, as OpenAI's);
@@ -41,12 +43,14 @@ from common.server import RoleServer
 from models import AudioClip, MediaError, MediaInput
 from proto import epd_pb2
 from proxy.auth import ANONYMOUS
+from proxy.completions import completions
 from proxy.core import ModelNotFound, Overloaded, Proxy
 from proxy.dashboard import add_dashboard
 from proxy.encode import Unavailable
+from proxy.frontend import FINISH
 from proxy.prepare import BadInput
 from proxy.realtime_ws import realtime_websocket
-from proxy.validate import check_sampling, parse_chat_body, parse_json_body
+from proxy.validate import check_sampling, parse_chat_body, parse_completion_body, parse_json_body
 from proxy.workers import overall_status
 
 logger = logging.getLogger(__name__)
@@ -54,12 +58,6 @@ logger = logging.getLogger(__name__)
 # A body larger than this is parsed on a worker thread (its shape check is numpy's, which
 # releases the GIL; its parse holds it for the few containers the limits let through).
 LARGE_BODY_BYTES = 1 << 20
-
-FINISH = {
-    epd_pb2.FINISH_REASON_STOP: "stop",
-    epd_pb2.FINISH_REASON_LENGTH: "length",
-    epd_pb2.FINISH_REASON_ABORT: "abort",
-}
 
 
 class HttpError(Exception):
@@ -110,6 +108,7 @@ class HttpApi:
                 web.get("/metrics", self.metrics),
                 web.get("/v1/models", self.models),
                 web.post("/v1/chat/completions", self.chat_completions),
+                web.post("/v1/completions", self.completions),
                 web.post("/v1/audio/transcriptions", self.transcriptions),
                 web.get("/v1/realtime", self.realtime),
             ]
@@ -198,6 +197,13 @@ class HttpApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(self._chat, request)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            body = await self._body(request, parse_completion_body)
+            return await completions(self.proxy, request, body, error_of)
+
+        return await self._serve(handle, request)
 
     async def transcriptions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(self._transcribe, request)
@@ -340,16 +346,19 @@ class HttpApi:
         await response.write_eof()
         return response
 
+    async def _body(self, request: web.Request, parse):
+        """The request's JSON body read within the limits and `parse`d (chat's or
+        completions'): a large one off the event loop (every other client waits on it)."""
+        limits = self.proxy.limits()
+        raw = await read_body(request, limits.max_body_bytes)
+        if len(raw) > LARGE_BODY_BYTES:
+            body = await asyncio.to_thread(parse_json_body, raw, limits.max_json_containers)
+            return await asyncio.to_thread(parse, body, limits)
+        return parse(parse_json_body(raw, limits.max_json_containers), limits)
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         proxy = self.proxy
-        limits = proxy.limits()
-        raw = await read_body(request, limits.max_body_bytes)
-        if len(raw) > LARGE_BODY_BYTES:  # off the event loop: every other client waits on it
-            body = await asyncio.to_thread(parse_json_body, raw, limits.max_json_containers)
-            parsed = await asyncio.to_thread(parse_chat_body, body, limits)
-        else:
-            body = parse_json_body(raw, limits.max_json_containers)
-            parsed = parse_chat_body(body, limits)
+        parsed = await self._body(request, parse_chat_body)
         proxy.check_model(parsed.model)
         sampling, return_ids = parsed.sampling, parsed.return_token_ids
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"

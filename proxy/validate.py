@@ -198,8 +198,10 @@ def _flag(body: dict, key: str) -> bool:
     return bool(_opt(body, key, bool, "true or false"))
 
 
-def parse_sampling(body: dict) -> epd_pb2.SamplingParams:
-    """OpenAI / vLLM sampling fields -> SamplingParams, each checked for type and range."""
+def parse_sampling(body: dict, completion: bool = False) -> epd_pb2.SamplingParams:
+    """OpenAI / vLLM sampling fields -> SamplingParams, each checked for type and range.
+    `completion`: /v1/completions' `logprobs` (how many top tokens) in place of chat's flag
+    and `top_logprobs`."""
     s = epd_pb2.SamplingParams(ignore_eos=_flag(body, "ignore_eos"))
     for key in ("max_completion_tokens", "max_tokens"):
         max_tokens = _integer(body, key, 1, UINT32)
@@ -225,7 +227,11 @@ def parse_sampling(body: dict) -> epd_pb2.SamplingParams:
             raise BadInput("stop must be a string or a list of strings")
         s.stop.extend(stops)
     check_stop(list(s.stop))
-    if _flag(body, "logprobs"):
+    if completion:
+        top = _integer(body, "logprobs", 0, MAX_LOGPROBS)
+        if top is not None:
+            s.logprobs = top
+    elif _flag(body, "logprobs"):
         s.logprobs = _integer(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
     n = _integer(body, "n", 1, UINT32)
     if n not in (None, 1):
@@ -328,6 +334,70 @@ def parse_chat_body(body: dict, limits: Limits) -> ChatBody:
     return ChatBody(
         model, chat, media, sampling, stream, include_usage, _flag(body, "return_token_ids")
     )
+
+
+@dataclass
+class CompletionBody:
+    model: str
+    prompts: list[str | list[int]]  # one choice each
+    sampling: epd_pb2.SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool
+
+
+# Prompts in one /v1/completions request (each is a request to the cluster).
+MAX_PROMPTS = 64
+# /v1/completions' default max_tokens, as OpenAI's and vLLM's.
+COMPLETION_MAX_TOKENS = 16
+
+
+def parse_completion_body(body: dict, limits: Limits) -> CompletionBody:
+    """A /v1/completions body: `prompt` as text, token ids, or a list of either (a choice
+    each), every field checked."""
+    model = _opt(body, "model", str, "a string") or ""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt)
+    ):
+        prompts = [prompt]
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(
+            isinstance(p, str) or (isinstance(p, list) and p and all(_is_token(t) for t in p))
+            for p in prompt
+        )
+    ):
+        prompts = list(prompt)
+    else:
+        raise BadInput(
+            "prompt must be a string, a list of token ids, or a non-empty list of either"
+        )
+    if len(prompts) > MAX_PROMPTS:
+        raise BadInput(f"{len(prompts)} prompts, at most {MAX_PROMPTS}")
+    for p in prompts:
+        if isinstance(p, str):
+            check_text_chars(len(p), limits)
+        elif len(p) >= limits.context:
+            raise BadInput(f"a prompt has {len(p)} tokens; the context is {limits.context}")
+    for key, allowed in (("suffix", None), ("best_of", 1)):
+        if body.get(key) not in (None, allowed):
+            raise BadInput(f"{key} is not supported")
+    sampling = parse_sampling(body, completion=True)
+    if not sampling.HasField("max_tokens"):
+        sampling.max_tokens = COMPLETION_MAX_TOKENS
+    echo = _flag(body, "echo")
+    if echo and sampling.HasField("logprobs"):
+        raise BadInput("echo with logprobs needs the prompt's log-probabilities: not supported")
+    options = _opt(body, "stream_options", dict, "an object") or {}
+    return CompletionBody(
+        model, prompts, sampling, _flag(body, "stream"), _flag(options, "include_usage"), echo
+    )
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < UINT32
 
 
 def _data_url(url: str, what: str) -> bytes:
