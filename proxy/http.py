@@ -50,6 +50,7 @@ from proxy.encode import Unavailable
 from proxy.frontend import FINISH
 from proxy.prepare import BadInput
 from proxy.realtime_ws import realtime_websocket
+from proxy.tools import ToolCallStream, parse_calls
 from proxy.validate import check_sampling, parse_chat_body, parse_completion_body, parse_json_body
 from proxy.workers import overall_status
 
@@ -372,24 +373,34 @@ class HttpApi:
             False,
             return_ids,
             tenant=tenant,
+            tools=parsed.tools,
         )
         prepared.trace_parent = tracing.tracer().extract(request.headers)
         chunks = proxy.run(prepared, None)
+        calls = ToolCallStream(parsed.tools.names) if parsed.tools and parsed.tools.shown else None
         if parsed.stream:
-            return await self._stream(request, prepared, chunks, parsed.include_usage)
+            return await self._stream(request, prepared, chunks, parsed.include_usage, calls)
         text, token_ids, logprobs, last = [], [], [], None
         async for chunk in chunks:
             text.append(chunk.text)
             token_ids.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)
             last = chunk
+        message = {"role": "assistant", "content": "".join(text)}
+        finish = FINISH.get(last.finish_reason, "stop")
+        if calls is not None:
+            content, tool_calls = parse_calls(message["content"], calls.names)
+            if tool_calls:
+                message = {"role": "assistant", "content": content or None,
+                           "tool_calls": tool_calls}  # fmt: skip
+                finish = "tool_calls" if finish == "stop" else finish
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": "".join(text)},
+            "message": message,
             "logprobs": self._logprobs(token_ids, logprobs)
             if sampling.HasField("logprobs")
             else None,
-            "finish_reason": FINISH.get(last.finish_reason, "stop"),
+            "finish_reason": finish,
         }
         response = {
             "id": request_id,
@@ -404,8 +415,12 @@ class HttpApi:
             response["prompt_token_ids"] = prepared.prompt_token_ids
         return web.json_response(response)
 
-    async def _stream(self, request, prepared, chunks, include_usage: bool) -> web.StreamResponse:
-        """Server-sent events in the OpenAI chunk format, then `data: [DONE]`."""
+    async def _stream(
+        self, request, prepared, chunks, include_usage: bool, calls: ToolCallStream | None = None
+    ) -> web.StreamResponse:
+        """Server-sent events in the OpenAI chunk format, then `data: [DONE]`. With tools
+        shown (`calls`), the model's tool calls go out as `tool_calls` deltas, each whole once
+        its block closes, and the text around them as content."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})  # fmt: skip
         name = self.proxy.served.name
@@ -435,8 +450,17 @@ class HttpApi:
                 last = chunk
                 finish = FINISH.get(chunk.finish_reason)
                 extra = {"token_ids": chunk.token_ids} if return_ids else {}
-                if chunk.text or chunk.token_ids or finish:
-                    await response.write(event({"content": chunk.text}, finish, **extra))
+                text = chunk.text
+                if calls is not None:
+                    text, made = calls.push(text)
+                    for call in made:
+                        await response.write(event({"tool_calls": [call]}))
+                    if finish:
+                        text += calls.finish()
+                        if calls.calls and finish == "stop":
+                            finish = "tool_calls"
+                if text or chunk.token_ids or finish:
+                    await response.write(event({"content": text}, finish, **extra))
             if include_usage and last is not None:
                 payload = {"id": prepared.request_id, "object": "chat.completion.chunk",
                            "created": created, "model": name, "choices": [],

@@ -18,13 +18,16 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.media import MODALITIES
 from common.served_model import ServedModel
 from common.tracing import Stages
 from models import MediaError, MediaGrid, MediaInput, expand_placeholders
 from proto import epd_pb2
+
+if TYPE_CHECKING:
+    from proxy.tools import Tools
 
 HASH_VERSION = b"epd-mm-hash-v1"
 
@@ -156,7 +159,10 @@ class RequestBuilder:
         continue_final_message: bool = False,
         return_prompt_token_ids: bool = False,
         tenant: str = "",
+        tools: Tools | None = None,
     ) -> PreparedRequest:
+        """`tools`: shown to the model in a chat prompt (proxy/tools.py), unless its choice
+        is "none"."""
         started = time.perf_counter()
         if self.family.prompt_from_media:
             ids, items = self._media_prompt(prompt, media)
@@ -171,7 +177,7 @@ class RequestBuilder:
         if isinstance(prompt, str):
             ids, order = self.tokenizer.encode(prompt), list(range(len(media)))
         elif prompt and isinstance(prompt[0], ChatMessage):
-            ids, order = self._chat(prompt, media, continue_final_message)
+            ids, order = self._chat(prompt, media, continue_final_message, tools)
         else:
             ids, order = [int(t) for t in prompt], list(range(len(media)))
         if not ids:
@@ -223,7 +229,11 @@ class RequestBuilder:
         return ids, [prepared]
 
     def _chat(
-        self, messages: Sequence[ChatMessage], media: Sequence[MediaInput], continue_final: bool
+        self,
+        messages: Sequence[ChatMessage],
+        media: Sequence[MediaInput],
+        continue_final: bool,
+        tools: Tools | None = None,
     ) -> tuple[list[int], list[int]]:
         """Token ids of the rendered template, and the media indices in prompt order."""
         rendered, order = [], []
@@ -250,9 +260,18 @@ class RequestBuilder:
         if len(order) != len(media):
             unused = sorted(set(range(len(media))) - set(order))
             raise BadInput(f"media items {unused} are not referenced by any message part")
+        extra = {}
+        if tools is not None and tools.shown:
+            if "tools" in (self.tokenizer.chat_template or ""):  # the template renders them
+                extra["tools"] = [{"type": "function", "function": f} for f in tools.functions]
+            elif rendered and rendered[0]["role"] == "system":
+                rendered[0]["content"].append({"type": "text", "text": "\n\n" + tools.section()})
+            else:
+                section = {"type": "text", "text": tools.section()}
+                rendered.insert(0, {"role": "system", "content": [section]})
         try:
             text = self.tokenizer.apply_chat_template(
-                rendered, add_generation_prompt=not continue_final
+                rendered, add_generation_prompt=not continue_final, **extra
             )
         except Exception as e:  # the checkpoint's template rejected the conversation
             raise BadInput(f"the chat template refused the messages: {e}") from None

@@ -30,6 +30,7 @@ from common import grammar
 from models import AudioClip, MediaInput
 from proto import epd_pb2
 from proxy.prepare import BadInput, ChatMessage, Part, PreparedRequest
+from proxy.tools import Tools, parse_tools, rewrite_messages
 
 # JSON nesting deeper than this is refused before parsing (the chat body needs about 6 levels;
 # Python's parser would otherwise recurse until RecursionError).
@@ -321,19 +322,28 @@ class ChatBody:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    tools: Tools | None = None
 
 
 def parse_chat_body(body: dict, limits: Limits) -> ChatBody:
     """A /v1/chat/completions body, every field checked."""
     model = _opt(body, "model", str, "a string") or ""
-    chat, media = parse_messages(body.get("messages"), limits)
+    tools = parse_tools(body)
+    chat, media = parse_messages(rewrite_messages(body.get("messages"), tools), limits)
     sampling = parse_sampling(body)
+    constraint = tools.constraint() if tools is not None else None
+    if constraint is not None:  # tool_choice "required" or a named function
+        if sampling.HasField("structured"):
+            raise BadInput("a required or named tool_choice cannot be combined with "
+                           "response_format or structured_outputs")  # fmt: skip
+        sampling.structured.lark = constraint.text
     stream = _flag(body, "stream")
     options = _opt(body, "stream_options", dict, "an object") or {}
     include_usage = _flag(options, "include_usage")
     return ChatBody(
-        model, chat, media, sampling, stream, include_usage, _flag(body, "return_token_ids")
-    )
+        model, chat, media, sampling, stream, include_usage, _flag(body, "return_token_ids"),
+        tools,
+    )  # fmt: skip
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Structured outputs (common/grammar.py): a request's grammar masks the tokens it does not
-allow in the sampler, in the same steps as free requests; the proxy refuses what cannot be
-enforced before any work; through the whole cluster with the `openai` client, on the built-in
-model (which knows only pictures: every valid JSON answer is the constraint's work)."""
+allow in the sampler, in the same steps as free requests, and a resumed request goes on alike;
+what cannot be enforced is refused by name. Through the whole cluster: tests/test_openai_api.py
+(and a constrained stream through P + D and a migration: tests/test_pd_cluster.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,13 @@ import json
 import re
 from dataclasses import replace
 
-import grpc
 import jsonschema
-import openai
 import pytest
 import torch
 
 from common.grammar import MAX_CONSTRAINT_CHARS, Constraint, GrammarCompiler, GrammarError, check
 from common.served_model import builtin_model
 from models import Tokenizer
-from proto import epd_pb2, epd_pb2_grpc
 from tests.lm_helpers import case, make_engine, run
 
 SCHEMAS = {
@@ -227,116 +224,6 @@ def test_a_resumed_constrained_request_replays_its_output_and_goes_on_alike(
     assert tokens[:k] + rest["rest"].token_ids == tokens
     jsonschema.validate(json.loads(tokenizer.decode(tokens, skip_special_tokens=True)),
                         ENGINE_SCHEMA)  # fmt: skip
-
-
-# -- through the cluster ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from tests.cluster_helpers import Cluster
-
-    c = Cluster(tmp_path_factory.mktemp("structured"), builtin_model(), encoders=1)
-    yield c
-    c.stop()
-
-
-def client_of(cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.proxy_http}/v1", api_key="-")
-
-
-def json_schema_format(schema: dict) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
-                                                   "strict": True}}  # fmt: skip
-
-
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_openai_client_gets_valid_json_for_every_schema(cluster, temperature):
-    client = client_of(cluster)
-    for name, schema in SCHEMAS.items():
-        reply = client.chat.completions.create(
-            model="tiny",
-            messages=[{"role": "user", "content": "What is in the picture?"}],
-            temperature=temperature,
-            seed=3,
-            max_tokens=200,
-            response_format=json_schema_format(schema),
-        )
-        choice = reply.choices[0]
-        assert choice.finish_reason == "stop", (name, choice)
-        jsonschema.validate(json.loads(choice.message.content), schema)
-
-
-def test_streamed_structured_output_assembles_and_json_object(cluster):
-    client = client_of(cluster)
-    schema = SCHEMAS["nested objects and an array with bounds"]
-    stream = client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "Which shapes are there?"}],
-        temperature=0.0,
-        max_tokens=200,
-        stream=True,
-        response_format=json_schema_format(schema),
-    )
-    chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
-    assert len([c for c in chunks if c]) > 3
-    jsonschema.validate(json.loads("".join(chunks)), schema)
-    # Any JSON object: the built-in model's free answer is never one.
-    reply = client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "How many shapes are there?"}],
-        temperature=0.0,
-        max_tokens=300,
-        response_format={"type": "json_object"},
-    )
-    if reply.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(reply.choices[0].message.content), dict)
-    else:  # a string that runs to max_tokens: still the start of an object
-        assert reply.choices[0].message.content.startswith("{")
-
-
-@pytest.mark.parametrize(
-    ("extra", "says"),
-    [
-        ({"response_format": json_schema_format({"type": "array", "uniqueItems": True})},
-         "uniqueItems"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-         "schema must be a JSON schema object"),
-        ({"response_format": {"type": "xml"}}, "response_format.type"),
-        ({"structured_outputs": {"regex": "(a"}}, "unclosed group"),
-        ({"structured_outputs": {"regex": "a", "grammar": "start: 'a'"}}, "exactly one"),
-        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
-    ],
-)  # fmt: skip
-def test_bad_constraints_get_a_400_naming_the_problem(cluster, extra, says):
-    client = client_of(cluster)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], extra_body=extra
-        )
-    assert says in str(e.value)
-
-
-def test_grpc_generate_carries_the_constraint(cluster):
-    regex = r"(a red|a blue|a green) (circle|square)"
-    request = epd_pb2.GenerateRequest(
-        text="<|im_start|>user\nWhat is there?<|im_end|>\n<|im_start|>assistant\n",
-        sampling=epd_pb2.SamplingParams(
-            temperature=1.0, seed=5, max_tokens=40,
-            structured=epd_pb2.StructuredOutput(regex=regex),
-        ),
-    )  # fmt: skip
-    with grpc.insecure_channel(f"127.0.0.1:{cluster.proxy_grpc}") as channel:
-        stub = epd_pb2_grpc.InferenceStub(channel)
-        replies = list(stub.Generate(request, timeout=60))
-        text = "".join(r.text for r in replies)
-        assert replies[-1].finish_reason == epd_pb2.FINISH_REASON_STOP
-        assert re.fullmatch(regex, text), text
-        bad = epd_pb2.GenerateRequest(text="hi")
-        bad.sampling.structured.lark = "start: ("
-        with pytest.raises(grpc.RpcError) as e:
-            list(stub.Generate(bad, timeout=60))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_bench_structured(tiny_checkpoint, tmp_path):
