@@ -128,10 +128,16 @@ class Cluster:
         self.roles[name].child.proc.wait(10)
 
     def stop(self) -> None:
+        """The proxies first, then the workers, as `epd up` stops them: each group sent SIGTERM
+        at once and then waited for, so its processes drain and exit side by side (one after
+        another, a cluster's teardown took seconds more)."""
         self.channel.close()
-        proxies = [n for n, r in self.roles.items() if r.kind == "proxy"]
-        for name in [*proxies, *[n for n in self.roles if n not in proxies]]:
-            self.roles[name].child.stop(20)
+        proxies = [r for r in self.roles.values() if r.kind == "proxy"]
+        for group in (proxies, [r for r in self.roles.values() if r.kind != "proxy"]):
+            for role in group:
+                role.child.signal(signal.SIGTERM)
+            for role in group:
+                role.child.stop(20)
         if self.own_redis:
             self.redis.stop()
 

@@ -15,6 +15,7 @@ import os
 import queue
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import pytest
@@ -510,7 +511,8 @@ def test_metrics_and_dashboard_show_the_sessions(cluster):
 
 
 # -- per-worker limits, then an LM worker killed mid-session (a cluster of its own: one encoder
-# that takes one stream, two LM workers that take one session each) -----------------------------
+# that takes one stream, two LM workers that take one session each, lm-0 a decode worker and
+# lm-1 a `both` worker: the split's preference is held by the same cluster) --------------------
 
 
 @pytest.fixture(scope="module")
@@ -520,6 +522,7 @@ def two_lms(tmp_path_factory, checkpoint):
         checkpoint,
         encoders=1,
         lms=2,
+        lm_roles=("decode", "both"),
         lm={"block_size": 8, "max_realtime_sessions": 1},
         encoder={"max_streams": 1},
     )
@@ -576,13 +579,24 @@ def test_an_encoder_takes_at_most_its_max_streams(two_lms, clips):
             list(stub.EncodeStream(iter([start("held-2"), audio]), timeout=10))
         assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "encoder.max_streams" in full.value.details()
+
         # Sessions through the proxy find no other encoder: they fail as full, not broken
         # (the proxy sends audio only once accepted, so the refusal never races a write).
-        for _ in range(5):
+        # Six of them, two at a time (one per LM worker's session slot, freed before the next
+        # pair): each waits out the proxy's wait for another encoder to come up (WORKER_WAIT
+        # in proxy/realtime.py, 5 s) before it fails, so six take the time of three.
+        def refused_session() -> grpc.RpcError:
             with pytest.raises(grpc.RpcError) as refused:
                 grpc_session(two_lms, clips[4][0], pace=0)
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "encoder.max_streams" in refused.value.details()
+            return refused.value
+
+        with futures.ThreadPoolExecutor(2) as pool:
+            for _ in range(3):
+                for error in pool.map(lambda _: refused_session(), range(2)):
+                    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert "encoder.max_streams" in error.details()
+                for address in two_lms.lm_addresses:  # their LM sessions ended
+                    wait_lm_sessions(address, 0)
     finally:
         held.send(epd_pb2.EncodeStreamRequest(input_done=epd_pb2.RealtimeInputDone()))
         last = held.close()
@@ -614,23 +628,25 @@ def test_an_lm_worker_takes_at_most_its_max_realtime_sessions(two_lms, clips, ch
         channel = worker_channel(address)
         return channel, epd_pb2_grpc.LanguageModelStub(channel).Generate(msg, timeout=60)
 
-    held = [held_session(lm0, "held-lm-1")]
-    wait_lm_sessions(lm0, 1)
-    channel, refused = held_session(lm0, "held-lm-2")
+    # lm-1, the `both` worker sessions prefer, full: a second session there is refused.
+    held = [held_session(lm1, "held-lm-1")]
+    wait_lm_sessions(lm1, 1)
+    channel, refused = held_session(lm1, "held-lm-2")
     with pytest.raises(grpc.RpcError) as full:
         list(refused)
     channel.close()
     assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "lm.max_realtime_sessions" in full.value.details()
 
-    # One LM worker full: a session through the proxy runs on the other, whole.
+    # One LM worker full: a session through the proxy runs on the other (the decode worker,
+    # past the full `both` worker it prefers), whole.
     pcm, expected = clips[2]
     responses, _ = grpc_session(two_lms, pcm, pace=0)
     assert [t for _, r in responses for t in r.token_ids] == expected
 
     # Both full: the session fails as full (RESOURCE_EXHAUSTED), and leaves nothing.
-    held.append(held_session(lm1, "held-lm-3"))
-    wait_lm_sessions(lm1, 1)
+    held.append(held_session(lm0, "held-lm-3"))
+    wait_lm_sessions(lm0, 1)
     with pytest.raises(grpc.RpcError) as refused:
         grpc_session(two_lms, pcm, pace=0)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -646,24 +662,25 @@ def test_an_lm_worker_takes_at_most_its_max_realtime_sessions(two_lms, clips, ch
     assert_nothing_left(two_lms)
 
 
-def test_lm_worker_killed_mid_session_another_continues_without_repeating(two_lms, clips):
+def test_lm_worker_killed_mid_session_the_decode_worker_continues_without_repeating(two_lms, clips):
+    """The session starts on the `both` worker (lm-1) whatever the load order of the two; when
+    it is killed, the decode worker takes the session whole and it goes on unchanged: every
+    token once, in order, and the same text."""
     pcm, expected = clips[1]
-    killed: list[str] = []
+    seen: list[str] = []
+    deadline = time.monotonic() + 30
+    while True:  # until the proxy has learned both workers' roles (from GetLoad)
+        _, state = two_lms.http("/dashboard/state")
+        if sum(1 for w in state["workers"] if w["role"] == "lm" and w["load"]) == 2:
+            break
+        assert time.monotonic() < deadline, state["workers"]
+        time.sleep(0.1)
 
-    def kill_the_sessions_lm(i: int) -> None:
+    def kill_the_both_worker(i: int) -> None:
         if i != 14:
             return
-        for name, role in two_lms.roles.items():
-            if role.kind != "lm":
-                continue
-            with worker_channel(role.address) as channel:
-                load = epd_pb2_grpc.LanguageModelStub(channel).GetLoad(
-                    epd_pb2.GetLoadRequest(), timeout=5
-                )
-            if load.realtime_sessions:
-                two_lms.kill(name)
-                killed.append(name)
-                return
+        seen.extend(n for n, load in _lm_loads(two_lms).items() if load.realtime_sessions)
+        two_lms.kill("lm-1")
 
     wav, _ = pcm16_wav(2.4, 1)  # clips[1]'s audio
     request = epd_pb2.GenerateRequest(
@@ -673,14 +690,15 @@ def test_lm_worker_killed_mid_session_another_continues_without_repeating(two_lm
     whole_text = "".join(r.text for r in two_lms.stub.Generate(request, timeout=60))
     # (earlier tests here moved sessions off full workers: those count too)
     failovers = two_lms.metric("epd_realtime_failovers_total", role="lm")
-    responses, _ = grpc_session(two_lms, pcm, on_chunk=kill_the_sessions_lm)
-    assert len(killed) == 1
+    responses, _ = grpc_session(two_lms, pcm, on_chunk=kill_the_both_worker)
+    assert seen == ["lm-1"]
     # Every token once, in order: the new worker re-prefilled the prompt and the tokens sent
     # from the session's stream and went on; and the text too (what the first worker held
     # back at the cut is released by the second, once).
     assert [t for _, r in responses for t in r.token_ids] == expected
     assert "".join(r.text for _, r in responses) == whole_text
     assert two_lms.metric("epd_realtime_failovers_total", role="lm") == failovers + 1
+    assert _lm_loads(two_lms)["lm-0"].realtime_rows == 0  # the session ended there
 
 
 # -- the prefill / decode split: sessions stay on `both` workers ---------------------------------
@@ -701,46 +719,6 @@ def test_realtime_sessions_prefer_both_then_decode_then_prefill_workers():
     assert realtime_pick(lms, {"b:1"}).address == "d:2"  # then decode, least loaded first
     assert realtime_pick(lms, {"b:1", "d:1", "d:2"}).address == "p:1"
     assert realtime_pick(lms, set(lms.workers)) is None
-
-
-@pytest.fixture(scope="module")
-def split_lms(tmp_path_factory, checkpoint):
-    c = Cluster(
-        tmp_path_factory.mktemp("split-lms"),
-        checkpoint,
-        encoders=1,
-        lms=2,
-        lm_roles=("decode", "both"),
-        lm={"block_size": 8},
-    )
-    yield c
-    c.stop()
-
-
-def test_a_session_runs_on_the_both_worker_and_fails_over_to_a_decode_worker(split_lms, clips):
-    """The session starts on the `both` worker (lm-1) whatever the load order of the two; when
-    it is killed, the decode worker takes the session whole and it goes on unchanged."""
-    pcm, expected = clips[1]
-    seen: list[str] = []
-    deadline = time.monotonic() + 30
-    while True:  # until the proxy has learned both workers' roles (from GetLoad)
-        _, state = split_lms.http("/dashboard/state")
-        if sum(1 for w in state["workers"] if w["role"] == "lm" and w["load"]) == 2:
-            break
-        assert time.monotonic() < deadline, state["workers"]
-        time.sleep(0.1)
-
-    def kill_the_both_worker(i: int) -> None:
-        if i != 14:
-            return
-        seen.extend(n for n, load in _lm_loads(split_lms).items() if load.realtime_sessions)
-        split_lms.kill("lm-1")
-
-    responses, _ = grpc_session(split_lms, pcm, on_chunk=kill_the_both_worker)
-    assert seen == ["lm-1"]
-    assert [t for _, r in responses for t in r.token_ids] == expected
-    assert split_lms.metric("epd_realtime_failovers_total", role="lm") == 1
-    assert _lm_loads(split_lms)["lm-0"].realtime_rows == 0  # the session ended there
 
 
 def _lm_loads(cluster) -> dict[str, epd_pb2.LMLoad]:
