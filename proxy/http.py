@@ -373,7 +373,7 @@ class HttpApi:
             False,
             return_ids,
             tenant=tenant,
-            tools=parsed.tools,
+            tools=parsed.tools.shown_functions if parsed.tools else (),
         )
         prepared.trace_parent = tracing.tracer().extract(request.headers)
         chunks = proxy.run(prepared, None)

@@ -18,16 +18,13 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from common.media import MODALITIES
 from common.served_model import ServedModel
 from common.tracing import Stages
 from models import MediaError, MediaGrid, MediaInput, expand_placeholders
 from proto import epd_pb2
-
-if TYPE_CHECKING:
-    from proxy.tools import Tools
 
 HASH_VERSION = b"epd-mm-hash-v1"
 
@@ -159,10 +156,10 @@ class RequestBuilder:
         continue_final_message: bool = False,
         return_prompt_token_ids: bool = False,
         tenant: str = "",
-        tools: Tools | None = None,
+        tools: Sequence[dict[str, Any]] = (),
     ) -> PreparedRequest:
-        """`tools`: shown to the model in a chat prompt (proxy/tools.py), unless its choice
-        is "none"."""
+        """`tools`: function definitions shown to the model in a chat prompt
+        (proxy/tools.py)."""
         started = time.perf_counter()
         if self.family.prompt_from_media:
             ids, items = self._media_prompt(prompt, media)
@@ -233,7 +230,7 @@ class RequestBuilder:
         messages: Sequence[ChatMessage],
         media: Sequence[MediaInput],
         continue_final: bool,
-        tools: Tools | None = None,
+        tools: Sequence[dict[str, Any]] = (),
     ) -> tuple[list[int], list[int]]:
         """Token ids of the rendered template, and the media indices in prompt order."""
         rendered, order = [], []
@@ -261,13 +258,15 @@ class RequestBuilder:
             unused = sorted(set(range(len(media))) - set(order))
             raise BadInput(f"media items {unused} are not referenced by any message part")
         extra = {}
-        if tools is not None and tools.shown:
+        if tools:
             if "tools" in (self.tokenizer.chat_template or ""):  # the template renders them
-                extra["tools"] = [{"type": "function", "function": f} for f in tools.functions]
+                extra["tools"] = [{"type": "function", "function": f} for f in tools]
             elif rendered and rendered[0]["role"] == "system":
-                rendered[0]["content"].append({"type": "text", "text": "\n\n" + tools.section()})
+                rendered[0]["content"].append(
+                    {"type": "text", "text": "\n\n" + tools_section(tools)}
+                )
             else:
-                section = {"type": "text", "text": tools.section()}
+                section = {"type": "text", "text": tools_section(tools)}
                 rendered.insert(0, {"role": "system", "content": [section]})
         try:
             text = self.tokenizer.apply_chat_template(
@@ -317,3 +316,15 @@ class RequestBuilder:
         for item, (offset, length) in zip(items, runs, strict=True):
             item.offset, item.length = offset, length
         return expanded
+
+
+def tools_section(functions: Sequence[dict[str, Any]]) -> str:
+    """Tools for the system message of a chat template that does not render them, and how to
+    call one (the `<tool_call>` blocks proxy/tools.py parses)."""
+    listed = "\n".join(json.dumps({"type": "function", "function": f}) for f in functions)
+    return (
+        "# Tools\n\nYou can call these functions:\n<tools>\n"
+        f"{listed}\n</tools>\n\n"
+        "To call one, reply with its name and arguments as JSON between tool_call tags:\n"
+        '<tool_call>\n{"name": "...", "arguments": {...}}\n</tool_call>'
+    )

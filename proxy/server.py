@@ -92,7 +92,7 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
                     request.chat.continue_final_message if kind == "chat" else False,
                     request.return_prompt_token_ids,
                     tenant=principal.tenant,
-                    tools=tools,
+                    tools=tools.functions if tools else (),
                 )
                 prepared.owner = self.owner(principal, context)
                 prepared.trace_parent = tracing.tracer().extract(context.invocation_metadata())

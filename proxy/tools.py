@@ -1,7 +1,7 @@
-"""Tool calling in the OpenAI chat API, in the Hermes manner Qwen models use.
+"""Tool calling in the OpenAI chat API, in the Hermes manner (`<tool_call>` blocks).
 
 The model sees the tools (the checkpoint's chat template renders them when it knows how; for a
-template that does not, `Tools.section` is added to the system message) and calls one by
+template that does not, prepare.tools_section is added to the system message) and calls one by
 writing
 
     <tool_call>
@@ -48,15 +48,10 @@ class Tools:
     def names(self) -> set[str]:
         return {f["name"] for f in self.functions}
 
-    def section(self) -> str:
-        """The tools, for the system message of a chat template that does not render them."""
-        listed = "\n".join(json.dumps({"type": "function", "function": f}) for f in self.functions)
-        return (
-            "# Tools\n\nYou can call these functions:\n<tools>\n"
-            f"{listed}\n</tools>\n\n"
-            "To call one, reply with its name and arguments as JSON between tool_call tags:\n"
-            f'{OPEN}\n{{"name": "...", "arguments": {{...}}}}\n{CLOSE}'
-        )
+    @property
+    def shown_functions(self) -> list[dict[str, Any]]:
+        """What the model is shown (the builder's `tools`): none for choice "none"."""
+        return self.functions if self.shown else []
 
     def constraint(self) -> Constraint | None:
         """The grammar of the output for `required` (one or more calls of any tool) and a
@@ -141,15 +136,14 @@ def tools_from_proto(chat) -> Tools | None:
         functions = [json.loads(t) for t in chat.tools]
     except ValueError as e:
         raise BadInput(f"chat.tools: not JSON: {e}") from None
-    tools = parse_tools({"tools": [{"type": "function", "function": f} for f in functions]})
-    return tools
+    return parse_tools({"tools": [{"type": "function", "function": f} for f in functions]})
 
 
 def rewrite_messages(messages: Any, tools: Tools | None) -> Any:
     """The conversation with the assistant's `tool_calls` written as the blocks the model
-    writes, and `tool` messages as `<tool_response>` blocks in a user turn (as Qwen's
-    templates render them), so every template can take it. Checks that each call names a tool
-    and each response answers an earlier call."""
+    writes, and `tool` messages as `<tool_response>` blocks in a user turn (as chat templates
+    that know tools render them), so every template can take it. Checks that each call names
+    a tool and each response answers an earlier call."""
     if not isinstance(messages, list):
         return messages  # parse_messages says what is wrong
     names = {f["name"] for f in tools.functions} if tools else None

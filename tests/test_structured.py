@@ -241,3 +241,19 @@ def test_bench_structured(tiny_checkpoint, tmp_path):
     for row in summary["results"]:
         assert row["constrained_vs_free"] > 0 and row["mask_ms_per_step"] > 0
         assert 0 < row["constrained_tokens_per_stream"] <= 8
+
+
+def test_a_constraint_that_compiles_too_long_is_refused_with_the_limit(monkeypatch):
+    """The proxy's check runs on a thread under GRAMMAR_CHECK_SECONDS; past it, a 400 that
+    says so (the limit set to nothing here: any compile takes longer)."""
+    import asyncio
+
+    from proto import epd_pb2
+    from proxy import validate
+    from proxy.prepare import BadInput
+
+    monkeypatch.setattr(validate, "GRAMMAR_CHECK_SECONDS", 0.0)
+    sampling = epd_pb2.SamplingParams()
+    sampling.structured.json_schema = json.dumps(SCHEMAS["patterns and numbers"])
+    with pytest.raises(BadInput, match="did not compile within"):
+        asyncio.run(validate.check_structured(sampling))
