@@ -60,6 +60,14 @@ CLOSE_WAIT_SECONDS = 5.0
 WORKER_WAIT = 5.0
 
 
+def _wait(last: SessionError | None) -> float:
+    """How long a session waits for an untried worker to come up: not at all once every worker
+    it tried was full (the client hears RESOURCE_EXHAUSTED at once and backs off, as from
+    the proxy's own load shedding; a new worker takes longer to start than WORKER_WAIT)."""
+    full = last is not None and last.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    return 0.0 if full else WORKER_WAIT
+
+
 class SessionError(Exception):
     """A session that cannot go on; `code` is the gRPC status (the WebSocket `error` event
     carries its name)."""
@@ -361,7 +369,7 @@ class RealtimeSession:
         tried: set[str] = set()
         last: SessionError | None = None
         while True:
-            worker = await pool.wait_for(lambda: pool.pick(exclude=tried), WORKER_WAIT)
+            worker = await pool.wait_for(lambda: pool.pick(exclude=tried), _wait(last))
             if worker is None:
                 self.fail(
                     last or SessionError(grpc.StatusCode.UNAVAILABLE, "no encoder worker is up")
@@ -437,7 +445,7 @@ class RealtimeSession:
         last: SessionError | None = None
         attempt = 0
         while True:
-            worker = await pool.wait_for(lambda: realtime_pick(pool, tried), WORKER_WAIT)
+            worker = await pool.wait_for(lambda: realtime_pick(pool, tried), _wait(last))
             if worker is None:
                 self.fail(last or SessionError(grpc.StatusCode.UNAVAILABLE, "no LM worker is up"))
                 return

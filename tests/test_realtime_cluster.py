@@ -30,7 +30,7 @@ from proto import epd_pb2, epd_pb2_grpc
 from proxy.pd import realtime_pick
 from proxy.workers import Breaker, Worker, WorkerPool
 from tests.cluster_helpers import Cluster
-from tests.helpers import worker_channel
+from tests.helpers import wait_until, worker_channel
 from tests.voxtral_helpers import encode, speech_like
 
 RATE = 16000
@@ -581,10 +581,10 @@ def test_an_encoder_takes_at_most_its_max_streams(two_lms, clips):
         assert "encoder.max_streams" in full.value.details()
 
         # Sessions through the proxy find no other encoder: they fail as full, not broken
-        # (the proxy sends audio only once accepted, so the refusal never races a write).
-        # Six of them, two at a time (one per LM worker's session slot, freed before the next
-        # pair): each waits out the proxy's wait for another encoder to come up (WORKER_WAIT
-        # in proxy/realtime.py, 5 s) before it fails, so six take the time of three.
+        # (the proxy sends audio only once accepted, so the refusal never races a write), and
+        # at once: every encoder it tried was full, so it waits for no other to come up
+        # (proxy/realtime.py `_wait`). Six of them, two at a time (one per LM worker's session
+        # slot, freed before the next pair).
         def refused_session() -> grpc.RpcError:
             with pytest.raises(grpc.RpcError) as refused:
                 grpc_session(two_lms, clips[4][0], pace=0)
@@ -657,6 +657,9 @@ def test_an_lm_worker_takes_at_most_its_max_realtime_sessions(two_lms, clips, ch
         channel.close()
     wait_lm_sessions(lm0, 0)
     wait_lm_sessions(lm1, 0)
+    # The refused session's encoder stream ends as the session fails (the encoder takes one
+    # stream here): the next session waits for its slot.
+    wait_until(lambda: leftovers(two_lms)["encoder_streams"] == 0, "the encoder's slot free")
     responses, _ = grpc_session(two_lms, pcm, pace=0)
     assert [t for _, r in responses for t in r.token_ids] == expected
     assert_nothing_left(two_lms)
