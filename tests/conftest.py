@@ -40,6 +40,19 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def builtin_cluster(tmp_path_factory):
+    """The built-in model on a whole cluster (embedded Redis, two encoders, an LM worker, the
+    proxy), shared by the modules that only send it requests (test_semantic, test_openai_api):
+    each cluster start costs the suite ~15 s of its two cores."""
+    from common.served_model import builtin_model
+    from tests.cluster_helpers import Cluster
+
+    c = Cluster(tmp_path_factory.mktemp("builtin-cluster"), builtin_model(), encoders=2)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="session")
 def tiny_ref(tiny_checkpoint):
     """The models' reference path on the tiny checkpoint: expected tokens for the tests."""
     from models.testing import ReferenceModel

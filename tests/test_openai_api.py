@@ -24,12 +24,8 @@ CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from tests.cluster_helpers import Cluster
-
-    c = Cluster(tmp_path_factory.mktemp("openai-api"), builtin_model(), encoders=1)
-    yield c
-    c.stop()
+def cluster(builtin_cluster):
+    return builtin_cluster
 
 
 @pytest.fixture(scope="module")

@@ -49,12 +49,8 @@ def colours(answers: list[str]) -> list[tuple[str, ...]]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from tests.cluster_helpers import Cluster
-
-    c = Cluster(tmp_path_factory.mktemp("semantic"), builtin_model(), encoders=2)
-    yield c
-    c.stop()
+def cluster(builtin_cluster):
+    return builtin_cluster
 
 
 def expected(samples: list[scenes.Sample]) -> list[str]:
