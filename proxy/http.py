@@ -377,8 +377,9 @@ class HttpApi:
         )
         prepared.trace_parent = tracing.tracer().extract(request.headers)
         chunks = proxy.run(prepared, None)
-        calls = ToolCallStream(parsed.tools.names) if parsed.tools and parsed.tools.shown else None
+        tools = parsed.tools if parsed.tools is not None and parsed.tools.shown else None
         if parsed.stream:
+            calls = ToolCallStream(tools.names) if tools is not None else None
             return await self._stream(request, prepared, chunks, parsed.include_usage, calls)
         text, token_ids, logprobs, last = [], [], [], None
         async for chunk in chunks:
@@ -388,8 +389,8 @@ class HttpApi:
             last = chunk
         message = {"role": "assistant", "content": "".join(text)}
         finish = FINISH.get(last.finish_reason, "stop")
-        if calls is not None:
-            content, tool_calls = parse_calls(message["content"], calls.names)
+        if tools is not None:  # the model's <tool_call> blocks become tool_calls
+            content, tool_calls = parse_calls(message["content"], tools.names)
             if tool_calls:
                 message = {"role": "assistant", "content": content or None,
                            "tool_calls": tool_calls}  # fmt: skip
