@@ -102,3 +102,21 @@ def test_a_conversation_with_calls_and_responses_is_rewritten_as_blocks():
     unknown = {**call, "function": {"name": "nope", "arguments": "{}"}}
     with pytest.raises(BadInput, match="not among the tools"):
         rewrite_messages([{"role": "assistant", "tool_calls": [unknown]}], tools)
+
+
+def test_a_vocabulary_with_a_tool_call_token_gets_it_whole():
+    """Qwen's vocabularies have `<tool_call>` as one added token: a required call starts with
+    that token alone (not the tag spelled in pieces), as the model was trained to write it."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from common.grammar import GrammarCompiler
+    from common.served_model import builtin_model
+
+    tokenizer = Tokenizer.from_file(str(builtin_model() / "tokenizer.json"))
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t in ("<tool_call>", "</tool_call>")])  # fmt: skip
+    compiler = GrammarCompiler(tokenizer.to_str(), 512, [tokenizer.token_to_id("<|im_end|>")])
+    matcher = compiler.matcher(
+        parse_tools({"tools": TOOLS, "tool_choice": "required"}).constraint()
+    )
+    assert matcher.allowed().nonzero()[0].tolist() == [tokenizer.token_to_id("<tool_call>")]
