@@ -43,11 +43,18 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 def builtin_cluster(tmp_path_factory):
     """The built-in model on a whole cluster (embedded Redis, two encoders, an LM worker, the
     proxy), shared by the modules that only send it requests (test_semantic, test_openai_api):
-    each cluster start costs the suite ~15 s of its two cores."""
+    each cluster start costs the suite ~15 s of its two cores. Batch-invariant: a request's
+    tokens do not depend on what else ran beside it (the tests compare prompts sent together
+    with each sent alone)."""
     from common.served_model import builtin_model
     from tests.cluster_helpers import Cluster
 
-    c = Cluster(tmp_path_factory.mktemp("builtin-cluster"), builtin_model(), encoders=2)
+    c = Cluster(
+        tmp_path_factory.mktemp("builtin-cluster"),
+        builtin_model(),
+        encoders=2,
+        lm={"batch_invariant": True},
+    )
     yield c
     c.stop()
 

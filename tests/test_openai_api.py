@@ -178,11 +178,14 @@ def test_required_and_named_tool_choices_give_calls_that_fit_the_parameters(clie
             temperature=temperature, seed=11, max_tokens=200,
         )  # fmt: skip
         (c,) = reply.choices
-        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+        assert c.message.tool_calls, c
         for call in c.message.tool_calls:
             check_call(call)
-        if isinstance(choice, dict):
+        if isinstance(choice, dict):  # one call, of bounded length: it ends
             assert [t.function.name for t in c.message.tool_calls] == ["describe"]
+            assert c.finish_reason == "tool_calls", c
+        else:  # `required` allows call after call: a model may make them until max_tokens
+            assert c.finish_reason in ("tool_calls", "length"), c
 
 
 def test_streamed_tool_calls_assemble_and_the_conversation_goes_on(client):
@@ -199,7 +202,7 @@ def test_streamed_tool_calls_assemble_and_the_conversation_goes_on(client):
                 call["name"] += t.function.name or ""
                 call["arguments"] += t.function.arguments or ""
             finish = c.finish_reason or finish
-    assert finish == "tool_calls" and calls
+    assert finish in ("tool_calls", "length") and calls  # `required`: calls until it stops
     whole = client.chat.completions.create(
         model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
         temperature=0.0, max_tokens=200,
