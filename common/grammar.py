@@ -18,6 +18,7 @@ compiled one, 3-10 us.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -80,9 +81,12 @@ def limits() -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(**LIMITS)
 
 
+@functools.lru_cache(maxsize=256)
 def check(constraint: Constraint) -> None:
     """Raise GrammarError (the library's reason, e.g. `Unimplemented keys: ["uniqueItems"]`)
-    unless the constraint compiles. Needs no tokenizer: the proxy's check before any work."""
+    unless the constraint compiles. Needs no tokenizer: the proxy's check before any work.
+    A constraint that passed is remembered (clients send the same schema request after
+    request); one that failed is checked again (an exception is not cached)."""
     if len(constraint.text) > MAX_CONSTRAINT_CHARS:
         raise GrammarError(
             f"the {constraint.kind} has {len(constraint.text)} characters, at most "

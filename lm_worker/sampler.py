@@ -70,14 +70,14 @@ def mask_grammar(logits: torch.Tensor, grammars: Sequence) -> None:
     grammar is None untouched): one masked fill for the batch. GrammarError when a grammar
     allows nothing (the step's isolation then fails that request alone)."""
     rows = [i for i, g in enumerate(grammars) if g is not None]
-    allowed = np.zeros((len(rows), logits.shape[1]), dtype=bool)
+    blocked = np.ones((len(rows), logits.shape[1]), dtype=bool)  # the LM's padding ids stay
     for j, i in enumerate(rows):
-        row = grammars[i].allowed()  # the tokenizer's ids; the LM's padding rows stay False
-        allowed[j, : len(row)] = row[: logits.shape[1]]
+        allowed = grammars[i].allowed()  # over the tokenizer's ids
+        np.logical_not(allowed[: logits.shape[1]], out=blocked[j, : len(allowed)])
     with torch.inference_mode():  # the forward's logits are inference tensors
         index = torch.tensor(rows, device=logits.device)
-        blocked = torch.from_numpy(~allowed).to(logits.device)
-        logits[index] = logits[index].masked_fill(blocked, float("-inf"))
+        blocked_t = torch.from_numpy(blocked).to(logits.device)
+        logits[index] = logits[index].masked_fill(blocked_t, float("-inf"))
 
 
 def _argmax(logits: torch.Tensor) -> list[int]:

@@ -12,7 +12,6 @@ tools still call), on the same request path as chat.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -21,11 +20,12 @@ from typing import Any
 from aiohttp import web
 
 from common import tracing
+from proto import epd_pb2
 from proxy.auth import ANONYMOUS
 from proxy.core import Proxy
-from proxy.frontend import FINISH
-from proxy.prepare import BadInput, PreparedRequest
-from proxy.validate import CompletionBody
+from proxy.prepare import PreparedRequest
+from proxy.responses import FINISH, EventStream, usage_body
+from proxy.validate import CompletionBody, check_token_prompt
 
 # An exception -> the OpenAI error body (proxy/http.py's error_of).
 ErrorBody = Callable[[Exception], Any]
@@ -36,17 +36,15 @@ async def completions(
 ) -> web.StreamResponse:
     """The response to a parsed /v1/completions body."""
     proxy.check_model(body.model)
-    vocab = proxy.served.family.text.vocab_size
     for p in body.prompts:
-        bad = next((t for t in p if t >= vocab), None) if isinstance(p, list) else None
-        if bad is not None:
-            raise BadInput(f"token id {bad} is outside the vocabulary ({vocab})")
+        if isinstance(p, list):
+            check_token_prompt(p, proxy.limits(), proxy.served.family.text.vocab_size)
     request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
     tenant = request.get("principal", ANONYMOUS).tenant
     parent = tracing.tracer().extract(request.headers)
     prepared = []
     for i, prompt in enumerate(body.prompts):
-        sampling = type(body.sampling)()
+        sampling = epd_pb2.SamplingParams()  # each request its own (the frontend may change it)
         sampling.CopyFrom(body.sampling)
         one = await proxy.prepare(
             proxy.builder.build, prompt, [], sampling, f"{request_id}-{i}", tenant=tenant
@@ -61,12 +59,12 @@ async def completions(
     choices = [Choice(i, echoes[i], tokenizer) for i in range(len(prepared))]
     if body.stream:
         return await _stream(proxy, request, request_id, body, prepared, choices, error_of)
-    usage = _Usage()
+    usage = epd_pb2.Usage()
 
     async def one(p: PreparedRequest, choice: Choice) -> None:
         async for chunk in proxy.run(p, None):
             choice.add(chunk)
-            usage.add(chunk)
+            add_usage(usage, chunk)
 
     tasks = [asyncio.create_task(one(p, c)) for p, c in zip(prepared, choices, strict=True)]
     try:
@@ -81,7 +79,7 @@ async def completions(
             "created": int(time.time()),
             "model": proxy.served.name,
             "choices": [c.whole(body.sampling.HasField("logprobs")) for c in choices],
-            "usage": usage.body(),
+            "usage": usage_body(usage),
         }
     )
 
@@ -125,25 +123,12 @@ class Choice:
         }
 
 
-class _Usage:
-    """The usage of every prompt's request, summed."""
-
-    def __init__(self):
-        self.prompt = self.completion = self.cached = 0
-
-    def add(self, chunk) -> None:
-        if chunk.finish_reason and chunk.usage is not None:
-            self.prompt += chunk.usage.prompt_tokens
-            self.completion += chunk.usage.completion_tokens
-            self.cached += chunk.usage.cached_prompt_tokens
-
-    def body(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt,
-            "completion_tokens": self.completion,
-            "total_tokens": self.prompt + self.completion,
-            "prompt_tokens_details": {"cached_tokens": self.cached},
-        }
+def add_usage(total: epd_pb2.Usage, chunk) -> None:
+    """Count a prompt's usage (on its last chunk) into the request's total."""
+    if chunk.finish_reason and chunk.usage is not None:
+        total.prompt_tokens += chunk.usage.prompt_tokens
+        total.completion_tokens += chunk.usage.completion_tokens
+        total.cached_prompt_tokens += chunk.usage.cached_prompt_tokens
 
 
 async def _stream(
@@ -156,20 +141,19 @@ async def _stream(
     error_of: ErrorBody,
 ) -> web.StreamResponse:
     """Server-sent events: each prompt's chunks as they come, by choice index."""
+    events = EventStream(request)  # headers once the first prompt is known to be valid
     created = int(time.time())
-    usage = _Usage()
+    usage = epd_pb2.Usage()
     logprobs = body.sampling.HasField("logprobs")
 
-    def event(choice: Choice, text: str, part: dict | None, finish: str | None) -> bytes:
-        payload = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": proxy.served.name,
-            "choices": [{"index": choice.index, "text": text,
-                         "logprobs": part if logprobs else None, "finish_reason": finish}],
-        }  # fmt: skip
-        return f"data: {json.dumps(payload)}\n\n".encode()
+    def chunk_of(choices: list[dict], **extra) -> dict:
+        return {"id": request_id, "object": "text_completion", "created": created,
+                "model": proxy.served.name, "choices": choices, **extra}  # fmt: skip
+
+    async def event(choice: Choice, text: str, part: dict | None) -> None:
+        one = {"index": choice.index, "text": text, "logprobs": part if logprobs else None,
+               "finish_reason": choice.finish}  # fmt: skip
+        await events.send(chunk_of([one]))
 
     merged: asyncio.Queue = asyncio.Queue()
 
@@ -181,44 +165,28 @@ async def _stream(
             await merged.put((choice, e))
         await merged.put((choice, None))
 
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})  # fmt: skip
-    started = False
     tasks = [asyncio.create_task(pump(p, c)) for p, c in zip(prepared, choices, strict=True)]
     try:
         async for choice, item in _until_all_end(merged, len(tasks)):
             if isinstance(item, Exception):
-                if not started:
+                if not events.started:
                     raise item
-                await response.write(f"data: {json.dumps(error_of(item).body())}\n\n".encode())
+                await events.send(error_of(item).body())
                 continue
-            if not started:  # headers go out once the first prompt is known to be valid
-                await response.prepare(request)
-                started = True
+            if not events.started:
                 for c in choices:
                     if c.text:  # echo
-                        await response.write(event(c, c.text, None, None))
+                        await event(c, c.text, None)
             part = choice.add(item)
-            usage.add(item)
+            add_usage(usage, item)
             if item.text or item.token_ids or choice.finish:
-                text = item.text
-                await response.write(event(choice, text, part, choice.finish))
+                await event(choice, item.text, part)
         if body.include_usage:
-            payload = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": proxy.served.name,
-                "choices": [],
-                "usage": usage.body(),
-            }
-            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+            await events.send(chunk_of([], usage=usage_body(usage)))
     finally:
         for task in tasks:
             task.cancel()
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+    return await events.done()
 
 
 async def _until_all_end(queue: asyncio.Queue, count: int) -> AsyncIterator[tuple[Any, Any]]:

@@ -66,14 +66,6 @@ class _Running:
     aborted: bool = False
 
 
-# A chunk's finish reason as the OpenAI API names it.
-FINISH = {
-    epd_pb2.FINISH_REASON_STOP: "stop",
-    epd_pb2.FINISH_REASON_LENGTH: "length",
-    epd_pb2.FINISH_REASON_ABORT: "abort",
-}
-
-
 @dataclass
 class Chunk:
     """What the frontend streams to either API: a token delta, and on the last one the rest."""

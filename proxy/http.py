@@ -26,7 +26,6 @@ The official `openai` client works against it unchanged. Errors come in the Open
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import ssl
 import time
@@ -47,9 +46,9 @@ from proxy.completions import completions
 from proxy.core import ModelNotFound, Overloaded, Proxy
 from proxy.dashboard import add_dashboard
 from proxy.encode import Unavailable
-from proxy.frontend import FINISH
 from proxy.prepare import BadInput
 from proxy.realtime_ws import realtime_websocket
+from proxy.responses import FINISH, EventStream, usage_body
 from proxy.tools import ToolCallStream, parse_calls
 from proxy.validate import check_sampling, parse_chat_body, parse_completion_body, parse_json_body
 from proxy.workers import overall_status
@@ -305,28 +304,19 @@ class HttpApi:
     async def _transcript_events(self, request, prepared, chunks) -> web.StreamResponse:
         """OpenAI's transcription stream: `transcript.text.delta` events, one
         `transcript.text.done` with the whole text, then `data: [DONE]`."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})  # fmt: skip
+        events = EventStream(request)  # headers once the request is known to be valid
         return_ids = prepared.return_prompt_token_ids
-        started = False
         text: list[str] = []
-
-        async def send(payload: dict) -> None:
-            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
-
         try:
             last = None
             async for chunk in chunks:
-                if not started:  # headers go out once the request is known to be valid
-                    await response.prepare(request)
-                    started = True
                 last = chunk
                 if chunk.text or (return_ids and chunk.token_ids):
                     text.append(chunk.text)
                     event = {"type": "transcript.text.delta", "delta": chunk.text}
                     if return_ids:
                         event["token_ids"] = list(chunk.token_ids)
-                    await send(event)
+                    await events.send(event)
             done: dict[str, Any] = {"type": "transcript.text.done", "text": "".join(text)}
             if last is not None and last.usage is not None:
                 u = last.usage
@@ -338,14 +328,12 @@ class HttpApi:
                 }
             if return_ids:
                 done["prompt_token_ids"] = prepared.prompt_token_ids
-            await send(done)
+            await events.send(done)
         except Exception as e:
-            if not started:
+            if not events.started:
                 raise
-            await send(error_of(e).body())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+            await events.send(error_of(e).body())
+        return await events.done()
 
     async def _body(self, request: web.Request, parse):
         """The request's JSON body read within the limits and `parse`d (chat's or
@@ -373,11 +361,11 @@ class HttpApi:
             False,
             return_ids,
             tenant=tenant,
-            tools=parsed.tools.shown_functions if parsed.tools else (),
+            tools=parsed.tools.functions if parsed.tools else (),
         )
         prepared.trace_parent = tracing.tracer().extract(request.headers)
         chunks = proxy.run(prepared, None)
-        tools = parsed.tools if parsed.tools is not None and parsed.tools.shown else None
+        tools = parsed.tools
         if parsed.stream:
             calls = ToolCallStream(tools.names) if tools is not None else None
             return await self._stream(request, prepared, chunks, parsed.include_usage, calls)
@@ -409,7 +397,7 @@ class HttpApi:
             "created": int(time.time()),
             "model": proxy.served.name,
             "choices": [choice],
-            "usage": _usage(last.usage),
+            "usage": usage_body(last.usage),
         }
         if return_ids:
             choice["token_ids"] = token_ids
@@ -422,32 +410,26 @@ class HttpApi:
         """Server-sent events in the OpenAI chunk format, then `data: [DONE]`. With tools
         shown (`calls`), the model's tool calls go out as `tool_calls` deltas, each whole once
         its block closes, and the text around them as content."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})  # fmt: skip
+        events = EventStream(request)  # headers once the request is known to be valid
         name = self.proxy.served.name
         created = int(time.time())
         return_ids = prepared.return_prompt_token_ids
-        started = False
 
-        def event(delta: dict, finish: str | None = None, **extra) -> bytes:
-            payload = {
-                "id": prepared.request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": name,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}],
-            }
-            return f"data: {json.dumps(payload)}\n\n".encode()
+        def chunk_of(choices: list[dict], **extra) -> dict:
+            return {"id": prepared.request_id, "object": "chat.completion.chunk",
+                    "created": created, "model": name, "choices": choices, **extra}  # fmt: skip
+
+        async def event(delta: dict, finish: str | None = None, **extra) -> None:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, **extra}
+            await events.send(chunk_of([choice]))
 
         try:
             last = None
             async for chunk in chunks:
-                if not started:  # headers go out once the request is known to be valid
-                    await response.prepare(request)
+                if not events.started:
                     first = {"role": "assistant", "content": ""}
                     extra = {"prompt_token_ids": prepared.prompt_token_ids} if return_ids else {}
-                    await response.write(event(first, **extra))
-                    started = True
+                    await event(first, **extra)
                 last = chunk
                 finish = FINISH.get(chunk.finish_reason)
                 extra = {"token_ids": chunk.token_ids} if return_ids else {}
@@ -455,26 +437,20 @@ class HttpApi:
                 if calls is not None:
                     text, made = calls.push(text)
                     for call in made:
-                        await response.write(event({"tool_calls": [call]}))
+                        await event({"tool_calls": [call]})
                     if finish:
                         text += calls.finish()
                         if calls.calls and finish == "stop":
                             finish = "tool_calls"
                 if text or chunk.token_ids or finish:
-                    await response.write(event({"content": text}, finish, **extra))
+                    await event({"content": text}, finish, **extra)
             if include_usage and last is not None:
-                payload = {"id": prepared.request_id, "object": "chat.completion.chunk",
-                           "created": created, "model": name, "choices": [],
-                           "usage": _usage(last.usage)}  # fmt: skip
-                await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+                await events.send(chunk_of([], usage=usage_body(last.usage)))
         except Exception as e:
-            if not started:
+            if not events.started:
                 raise
-            error = error_of(e)
-            await response.write(f"data: {json.dumps(error.body())}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+            await events.send(error_of(e).body())
+        return await events.done()
 
     def _logprobs(self, token_ids: list[int], entries: list) -> dict:
         tokenizer = self.proxy.builder.tokenizer
@@ -510,14 +486,3 @@ async def read_body(request: web.Request, limit: int) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _usage(usage: epd_pb2.Usage | None) -> dict:
-    if usage is None:
-        return {}
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
-    }

@@ -30,7 +30,7 @@ from proxy.http import HttpApi
 from proxy.metrics import ProxyMetrics
 from proxy.prepare import BadInput, ChatMessage, Part
 from proxy.realtime import grpc_session
-from proxy.tools import tools_from_proto
+from proxy.tools import tool_functions
 from proxy.validate import check_generate, refuse_malformed, tolerant_add
 
 logger = logging.getLogger(__name__)
@@ -71,10 +71,10 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
                 check_generate(request, proxy.limits(), proxy.served.family.text.vocab_size)
                 media = [media_from_proto(m) for m in request.media]
                 kind = request.WhichOneof("prompt")
-                tools = None
+                tools = []
                 if kind == "chat":
                     prompt = chat_from_proto(request.chat)
-                    tools = tools_from_proto(request.chat)
+                    tools = tool_functions(request.chat)
                 elif kind == "token_ids":
                     prompt = list(request.token_ids.ids)
                 elif kind == "text":
@@ -92,7 +92,7 @@ class InferenceServicer(epd_pb2_grpc.InferenceServicer):
                     request.chat.continue_final_message if kind == "chat" else False,
                     request.return_prompt_token_ids,
                     tenant=principal.tenant,
-                    tools=tools.functions if tools else (),
+                    tools=tools,
                 )
                 prepared.owner = self.owner(principal, context)
                 prepared.trace_parent = tracing.tracer().extract(context.invocation_metadata())

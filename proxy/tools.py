@@ -8,8 +8,8 @@ writing
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-`ToolCalls.parse` turns such blocks of the output into `tool_calls`, and `ToolCallStream` does
-it as the text streams. `tool_choice`: "none" (the tools are not shown), "auto" (the model
+`ToolCallStream` turns such blocks of the output into `tool_calls` as the text streams, and
+`parse_calls` in a whole text. `tool_choice`: "none" (the tools are not shown), "auto" (the model
 decides; its calls are parsed), "required" or a named function (the output is constrained to
 calls whose arguments follow the tools' parameter schemas: a Lark grammar with the schemas
 embedded, `constraint`). A conversation goes on with the assistant's `tool_calls` and `tool`
@@ -21,14 +21,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from models.sampling import Constraint
 from proxy.prepare import BadInput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 MAX_TOOLS = 128
 
 
@@ -47,11 +46,6 @@ class Tools:
     @property
     def names(self) -> set[str]:
         return {f["name"] for f in self.functions}
-
-    @property
-    def shown_functions(self) -> list[dict[str, Any]]:
-        """What the model is shown (the builder's `tools`): none for choice "none"."""
-        return self.functions if self.shown else []
 
     def constraint(self) -> Constraint | None:
         """The grammar of the output for `required` (one or more calls of any tool) and a
@@ -128,15 +122,17 @@ def parse_tools(body: dict) -> Tools | None:
     return Tools(functions, choice, name)
 
 
-def tools_from_proto(chat) -> Tools | None:
-    """ChatPrompt.tools (JSON function objects) as Tools with choice "auto"; None without."""
+def tool_functions(chat) -> list[dict[str, Any]]:
+    """ChatPrompt.tools (JSON function objects), checked as a chat body's tools are."""
     if not chat.tools:
-        return None
+        return []
     try:
         functions = [json.loads(t) for t in chat.tools]
     except ValueError as e:
         raise BadInput(f"chat.tools: not JSON: {e}") from None
-    return parse_tools({"tools": [{"type": "function", "function": f} for f in functions]})
+    return parse_tools(
+        {"tools": [{"type": "function", "function": f} for f in functions]}
+    ).functions
 
 
 def rewrite_messages(messages: Any, tools: Tools | None) -> Any:
@@ -146,32 +142,15 @@ def rewrite_messages(messages: Any, tools: Tools | None) -> Any:
     a tool and each response answers an earlier call."""
     if not isinstance(messages, list):
         return messages  # parse_messages says what is wrong
-    names = {f["name"] for f in tools.functions} if tools else None
-    calls: set[str] = set()
+    names = tools.names if tools else None
+    calls: set[str] = set()  # the ids of the calls so far
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             out.append(m)
             continue
         if m.get("role") == "assistant" and m.get("tool_calls"):
-            blocks = []
-            for j, call in enumerate(m["tool_calls"] if isinstance(m["tool_calls"], list) else ()):
-                function = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                    raise BadInput(f"messages[{i}].tool_calls[{j}] needs function.name")
-                if names is not None and function["name"] not in names:
-                    raise BadInput(f"messages[{i}].tool_calls[{j}] calls {function['name']!r}, "
-                                   "which is not among the tools")  # fmt: skip
-                arguments = function.get("arguments") or "{}"
-                try:
-                    arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-                except ValueError:
-                    raise BadInput(f"messages[{i}].tool_calls[{j}].function.arguments is not "
-                                   "JSON") from None  # fmt: skip
-                if isinstance(call.get("id"), str):
-                    calls.add(call["id"])
-                call_json = json.dumps({"name": function["name"], "arguments": arguments})
-                blocks.append(f"{OPEN}\n{call_json}\n{CLOSE}")
+            blocks = _call_blocks(m["tool_calls"], f"messages[{i}]", names, calls)
             text = m.get("content") if isinstance(m.get("content"), str) else ""
             out.append({"role": "assistant", "content": "\n".join(filter(None, [text, *blocks]))})
         elif m.get("role") == "tool":
@@ -189,6 +168,29 @@ def rewrite_messages(messages: Any, tools: Tools | None) -> Any:
     return out
 
 
+def _call_blocks(tool_calls: Any, where: str, names: set[str] | None, ids: set[str]) -> list[str]:
+    """An assistant message's `tool_calls` as the blocks the model writes; their ids go into
+    `ids`."""
+    blocks = []
+    for j, call in enumerate(tool_calls if isinstance(tool_calls, list) else ()):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadInput(f"{where}.tool_calls[{j}] needs function.name")
+        if names is not None and function["name"] not in names:
+            raise BadInput(f"{where}.tool_calls[{j}] calls {function['name']!r}, which is not "
+                           "among the tools")  # fmt: skip
+        arguments = function.get("arguments") or "{}"
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise BadInput(f"{where}.tool_calls[{j}].function.arguments is not JSON") from None
+        if isinstance(call.get("id"), str):
+            ids.add(call["id"])
+        call_json = json.dumps({"name": function["name"], "arguments": arguments})
+        blocks.append(f"{OPEN}\n{call_json}\n{CLOSE}")
+    return blocks
+
+
 def new_call(name: str, arguments: Any) -> dict[str, Any]:
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
@@ -199,17 +201,13 @@ def new_call(name: str, arguments: Any) -> dict[str, Any]:
 
 def parse_calls(text: str, names: set[str]) -> tuple[str, list[dict[str, Any]]]:
     """The text outside the tool-call blocks and the calls (a block that is not a JSON call of
-    one of the tools stays text, as vLLM's Hermes parser leaves it)."""
-    calls, kept, at = [], [], 0
-    for match in _BLOCK.finditer(text):
-        call = _call(match.group(1), names)
-        if call is None:
-            continue
-        kept.append(text[at : match.start()])
-        at = match.end()
-        calls.append(call)
-    kept.append(text[at:])
-    return "".join(kept).strip() if calls else text, calls
+    one of the tools stays text, as vLLM's Hermes parser leaves it): the stream's parse, over
+    the whole text at once."""
+    stream = ToolCallStream(names)
+    content, calls = stream.push(text)
+    content += stream.finish()
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in calls]  # a message's calls
+    return (content.strip() if calls else text), calls
 
 
 def _call(block: str, names: set[str]) -> dict[str, Any] | None:
@@ -229,30 +227,26 @@ class ToolCallStream:
     closes, as one `tool_calls` delta (id, name, arguments) the `openai` client assembles."""
 
     names: set[str]
-    held: str = ""
+    held: str = ""  # text not sent yet: a block still open (from its tag), or a tag's start
     calls: int = 0
-    _in_call: bool = field(default=False, repr=False)
 
     def push(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """(content to send now, calls completed now, each with its `index`)."""
         self.held += text
         content, calls = [], []
         while True:
-            if not self._in_call:
-                at = self.held.find(OPEN)
-                if at == -1:
-                    keep = _prefix_len(self.held, OPEN)
-                    content.append(self.held[: len(self.held) - keep])
-                    self.held = self.held[len(self.held) - keep :]
-                    break
-                content.append(self.held[:at])
-                self.held = self.held[at:]
-                self._in_call = True
+            at = self.held.find(OPEN)  # 0 inside a block: `held` starts with its tag
+            if at == -1:
+                keep = _prefix_len(self.held, OPEN)
+                content.append(self.held[: len(self.held) - keep])
+                self.held = self.held[len(self.held) - keep :]
+                break
+            content.append(self.held[:at])
+            self.held = self.held[at:]
             end = self.held.find(CLOSE)
             if end == -1:
                 break
             block, self.held = self.held[: end + len(CLOSE)], self.held[end + len(CLOSE) :]
-            self._in_call = False
             call = _call(block[len(OPEN) : -len(CLOSE)].strip(), self.names)
             if call is None:
                 content.append(block)

@@ -19,7 +19,7 @@ import binascii
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -322,7 +322,7 @@ class ChatBody:
     stream: bool
     include_usage: bool
     return_token_ids: bool
-    tools: Tools | None = None
+    tools: Tools | None = None  # shown to the model (None: no tools, or tool_choice "none")
 
 
 def parse_chat_body(body: dict, limits: Limits) -> ChatBody:
@@ -337,6 +337,8 @@ def parse_chat_body(body: dict, limits: Limits) -> ChatBody:
             raise BadInput("a required or named tool_choice cannot be combined with "
                            "response_format or structured_outputs")  # fmt: skip
         sampling.structured.lark = constraint.text
+    if tools is not None and not tools.shown:  # tool_choice "none": as if there were none
+        tools = None
     stream = _flag(body, "stream")
     options = _opt(body, "stream_options", dict, "an object") or {}
     include_usage = _flag(options, "include_usage")
@@ -367,18 +369,10 @@ def parse_completion_body(body: dict, limits: Limits) -> CompletionBody:
     each), every field checked."""
     model = _opt(body, "model", str, "a string") or ""
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or (
-        isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt)
-    ):
+    if isinstance(prompt, str) or _is_ids(prompt):
         prompts = [prompt]
-    elif (
-        isinstance(prompt, list)
-        and prompt
-        and all(
-            isinstance(p, str) or (isinstance(p, list) and p and all(_is_token(t) for t in p))
-            for p in prompt
-        )
-    ):
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p)
+                                                     for p in prompt):  # fmt: skip
         prompts = list(prompt)
     else:
         raise BadInput(
@@ -386,11 +380,9 @@ def parse_completion_body(body: dict, limits: Limits) -> CompletionBody:
         )
     if len(prompts) > MAX_PROMPTS:
         raise BadInput(f"{len(prompts)} prompts, at most {MAX_PROMPTS}")
-    for p in prompts:
+    for p in prompts:  # token ids are checked against the vocabulary by the handler
         if isinstance(p, str):
             check_text_chars(len(p), limits)
-        elif len(p) >= limits.context:
-            raise BadInput(f"a prompt has {len(p)} tokens; the context is {limits.context}")
     for key, allowed in (("suffix", None), ("best_of", 1)):
         if body.get(key) not in (None, allowed):
             raise BadInput(f"{key} is not supported")
@@ -406,8 +398,13 @@ def parse_completion_body(body: dict, limits: Limits) -> CompletionBody:
     )
 
 
-def _is_token(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < UINT32
+def _is_ids(p: Any) -> bool:
+    """A non-empty list of token ids."""
+    return (
+        isinstance(p, list)
+        and bool(p)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < UINT32 for t in p)
+    )
 
 
 def _data_url(url: str, what: str) -> bytes:
@@ -569,12 +566,16 @@ def check_generate(request: epd_pb2.GenerateRequest, limits: Limits, vocab_size:
                 chars += len(p.text)
         check_text_chars(chars, limits)
     elif kind == "token_ids":
-        ids = request.token_ids.ids
-        if len(ids) >= limits.context:
-            raise BadInput(f"the prompt has {len(ids)} tokens; the context is {limits.context}")
-        bad = next((t for t in ids if t >= vocab_size), None)
-        if bad is not None:
-            raise BadInput(f"token id {bad} is outside the vocabulary ({vocab_size})")
+        check_token_prompt(request.token_ids.ids, limits, vocab_size)
+
+
+def check_token_prompt(ids: Sequence[int], limits: Limits, vocab_size: int) -> None:
+    """A prompt given as token ids: shorter than the context, every id in the vocabulary."""
+    if len(ids) >= limits.context:
+        raise BadInput(f"the prompt has {len(ids)} tokens; the context is {limits.context}")
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise BadInput(f"token id {bad} is outside the vocabulary ({vocab_size})")
 
 
 class Malformed:

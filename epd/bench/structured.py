@@ -23,6 +23,7 @@ import torch
 from common.grammar import GrammarCompiler, check
 from common.served_model import ensure_bench_model
 from epd.bench.lm import Ours, _prompt, cpu_model
+from lm_worker.engine import LMEngine
 from lm_worker.request import Request
 from lm_worker.sampler import mask_grammar
 from models import SamplingParams, Tokenizer
@@ -38,16 +39,16 @@ DEFAULT_SCHEMA = {
 
 
 class Streams:
-    """S greedy requests at once on `ours`'s engine, free or under a constraint."""
+    """S greedy requests at once on our engine, free or under a constraint."""
 
-    def __init__(self, ours: Ours, compiler: GrammarCompiler):
-        self.ours = ours
+    def __init__(self, engine: LMEngine, compiler: GrammarCompiler):
+        self.engine = engine
         self.compiler = compiler
         self.count = 0
 
     def run(self, streams: int, tokens: int, constraint: Constraint | None) -> tuple[float, int]:
         """(seconds, tokens given)."""
-        engine = self.ours.engine
+        engine = self.engine
         given = [0]
 
         def sink(out) -> None:
@@ -66,8 +67,8 @@ class Streams:
 
 
 def compile_times(tokenizer_json: str, vocab: int, eos: list[int], constraint: Constraint):
-    """Seconds: a new compiler for the vocabulary, the constraint's first compile on it, and a
-    request's matcher from the cache (best of 20)."""
+    """A new compiler for the vocabulary, and seconds: its making, the constraint's first
+    compile on it, and a request's matcher from the cache (best of 20)."""
     started = time.perf_counter()
     compiler = GrammarCompiler(tokenizer_json, vocab, eos)
     vocabulary = time.perf_counter() - started
@@ -79,7 +80,7 @@ def compile_times(tokenizer_json: str, vocab: int, eos: list[int], constraint: C
         started = time.perf_counter()
         compiler.matcher(constraint)
         cached = min(cached, time.perf_counter() - started)
-    return vocabulary, cold, cached
+    return compiler, vocabulary, cold, cached
 
 
 def mask_seconds(compiler: GrammarCompiler, constraint: Constraint, rows: int) -> float:
@@ -105,11 +106,10 @@ def run(args: argparse.Namespace) -> int:
     engine = ours.engine
     tokenizer_json = Tokenizer.from_dir(model_dir).to_json()
     eos = sorted(engine.eos_token_ids)
-    vocabulary_s, cold_s, cached_s = compile_times(
+    compiler, vocabulary_s, cold_s, cached_s = compile_times(
         tokenizer_json, engine.vocab_size, eos, constraint
     )
-    compiler = GrammarCompiler(tokenizer_json, engine.vocab_size, eos)
-    bench = Streams(ours, compiler)
+    bench = Streams(engine, compiler)
     bench.run(1, 4, None)  # warm-up both
     bench.run(1, 4, constraint)
     med = statistics.median
