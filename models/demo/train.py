@@ -59,16 +59,10 @@ from models.qwen2_vl.language_model import Qwen2LanguageModel
 from models.qwen2_vl.processing import MediaProcessor
 from models.qwen2_vl.rope import MediaSpan, mrope_positions
 from models.qwen2_vl.vision import VisionTower
-from models.testing.make import (
-    SHAPES,
-    SPECIAL_TOKENS,
-    SPLIT_PATTERN,
-    Shape,
-    _config,
-    _generation_config,
-    _processor_configs,
-    _tokenizer_config,
-)
+from models.testing.make import SHAPES, Shape, _config, _processor_configs
+from models.testing.qwen_files import SPECIAL_TOKENS, SPLIT_PATTERN
+from models.testing.qwen_files import generation_config as _generation_config
+from models.testing.qwen_files import tokenizer_config as _tokenizer_config
 from models.tokenizer import Tokenizer, expand_placeholders
 
 ARCH = "qwen2_5_vl"

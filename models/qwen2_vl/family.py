@@ -236,18 +236,28 @@ class Qwen2VLFamily(ModelFamily):
         }
         return weights_fingerprint(self.path, VISION_TENSORS, settings)
 
+    def load_tower(self, dtype: torch.dtype, device: torch.device) -> VisionTower:
+        """The vision tower alone (the encoder's, and the reference path's)."""
+        return VisionTower.from_checkpoint(self.path, self.arch.vision, dtype, device)
+
     def load_encoder(self, dtype: torch.dtype, device: torch.device) -> VisionEncoder:
-        tower = VisionTower.from_checkpoint(self.path, self.arch.vision, dtype, device)
+        tower = self.load_tower(dtype, device)
         return VisionEncoder(tower, torch.device(device), self.video_pruning_rate)
 
     def load_language_model(
         self, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device
     ) -> Qwen2LanguageModel:
-        model = Qwen2LanguageModel.from_checkpoint(
-            self.path, self.arch.text, attn_backend, dtype, device
-        )
+        model = self.language_model(attn_backend, dtype, device)
         model.merge_projections()  # the serving model; the reference keeps the checkpoint's
         return model
+
+    def language_model(
+        self, attn_backend: AttentionBackend, dtype: torch.dtype, device
+    ) -> Qwen2LanguageModel:
+        """The LM as the checkpoint holds it (projections not merged: the reference's)."""
+        return Qwen2LanguageModel.from_checkpoint(
+            self.path, self.arch.text, attn_backend, dtype, device
+        )
 
     def model_state(self, model) -> MRopeState:
         vision = self.arch.vision

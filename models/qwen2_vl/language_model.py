@@ -168,9 +168,6 @@ class Qwen2LanguageModel(nn.Module):
                 )
             )
         c = self.config
-        # M-RoPE (rope.py): frequency chunk i turns with position axis i % 3.
-        sections = self.rotary.mrope_section
-        axes = [i % 3 for i, size in enumerate(sections) for _ in range(size)]
         return DecoderWeights(
             layers,
             self.norm.weight,
@@ -180,7 +177,7 @@ class Qwen2LanguageModel(nn.Module):
             c.head_dim,
             c.intermediate_size,
             self.rotary.inv_freq.float(),
-            axes,
+            self.rotary.freq_axis,
             self.embed_tokens.weight,
             self.lm_head.weight,  # None where a packed kernel's choice dropped it
         )

@@ -99,14 +99,41 @@ def mrope_decode_positions(start: int, count: int, delta: int) -> torch.Tensor:
     return (torch.arange(start, start + count) + delta).expand(3, -1).clone()
 
 
+def mrope_freq_axes(mrope_section: Sequence[int], interleaved: bool = False) -> list[int]:
+    """The position axis (0 time, 1 height, 2 width) each of the head_dim / 2 rotary
+    frequencies turns with. Qwen2-VL / Qwen2.5-VL: in chunks (the first section[0]
+    frequencies with time, the next section[1] with height, then width). Qwen3-VL
+    (`mrope_interleaved`): t, h, w, t, h, w, ... while each axis has frequencies left
+    (frequency j is height when j % 3 == 1 and j < 3 section[1], width when j % 3 == 2 and
+    j < 3 section[2], time otherwise)."""
+    if not interleaved:
+        return [axis for axis, size in enumerate(mrope_section) for _ in range(size)]
+    axes = []
+    for j in range(sum(mrope_section)):
+        if j % 3 == 1 and j < 3 * mrope_section[1]:
+            axes.append(1)
+        elif j % 3 == 2 and j < 3 * mrope_section[2]:
+            axes.append(2)
+        else:
+            axes.append(0)
+    return axes
+
+
 class MRotaryEmbedding(torch.nn.Module):
     """cos / sin [T, head_dim] for M-RoPE positions [3, T] (or plain positions [T])."""
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: Sequence[int]):
+    def __init__(
+        self, head_dim: int, theta: float, mrope_section: Sequence[int], interleaved: bool = False
+    ):
         super().__init__()
         assert sum(mrope_section) * 2 == head_dim, (mrope_section, head_dim)
         self.mrope_section = list(mrope_section)
+        self.freq_axis = mrope_freq_axes(mrope_section, interleaved)
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta), persistent=False)
+        # NOTE: explicit CPU tensors, so a model built under torch.device("meta") gets them.
+        axis = torch.tensor(self.freq_axis, device="cpu")
+        self.register_buffer("_axis", axis, persistent=False)
+        self.register_buffer("_freq", torch.arange(len(axis), device="cpu"), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -114,8 +141,7 @@ class MRotaryEmbedding(torch.nn.Module):
         if positions.dim() == 1:
             positions = positions.expand(3, -1)
         freqs = positions[..., None].float() * self.inv_freq  # [3, T, head_dim / 2]
-        # Frequency chunk i rotates with axis i % 3 (time, height, width).
-        chunks = freqs.split(self.mrope_section, dim=-1)
-        freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)
+        # Frequency j rotates with its axis: [head_dim / 2, T] picked, then [T, head_dim / 2].
+        freqs = freqs[self._axis, :, self._freq].T
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)

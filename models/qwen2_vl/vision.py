@@ -199,7 +199,7 @@ class VisionTower(nn.Module):
             raise ValueError(f"{pixel_values.shape[0]} patches for grids {grids}")
         device = self.patch_embed.proj.weight.device
         x = self.patch_embed(pixel_values.to(device))  # [N, hidden]
-        cos, sin = self._rotary(grids, device)  # [N, head_dim] float32
+        cos, sin = rotary_2d(grids, m, self.inv_freq, device)  # [N, head_dim] float32
         frames = _Segments([h * w for t, h, w in grids for _ in range(t)])
         if not self.config.window_size:
             for block in self.blocks:
@@ -217,22 +217,6 @@ class VisionTower(nn.Module):
                 x = block(x, cos, sin, frames if i in full else windows)
             merged = self.merger(x)[torch.argsort(order)]
         return list(merged.split([t * h * w // m2 for t, h, w in grids]))
-
-    def _rotary(
-        self, grids: list[tuple[int, int, int]], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        m = self.config.spatial_merge_size
-        rows, cols = [], []
-        for t, h, w in grids:
-            # Patch (row, column) in merge-block order: (h / m, w / m, m, m).
-            r = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
-            c = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
-            rows.append(r.transpose(1, 2).reshape(-1).repeat(t))
-            cols.append(c.transpose(1, 2).reshape(-1).repeat(t))
-        pos = torch.stack([torch.cat(rows), torch.cat(cols)], dim=-1).to(device)  # [N, 2]
-        freqs = (pos[..., None].float() * self.inv_freq).flatten(1)  # [N, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
 
     def _window_order(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[int]]:
         """Merge-unit order that makes windows contiguous, and each window's patch count."""
@@ -253,6 +237,28 @@ class VisionTower(nn.Module):
                         lens.append(window.numel() * m * m)
             base += t * gh * gw
         return torch.cat(order), lens
+
+
+def rotary_2d(
+    grids: Sequence[tuple[int, int, int]],
+    merge: int,
+    inv_freq: torch.Tensor,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [N, head_dim] (float32) of the towers' 2-D rotary embedding: half the
+    frequencies turn with each patch's row, half with its column; patches in merge-block
+    order (h / m, w / m, m, m), the same per frame."""
+    m = merge
+    rows, cols = [], []
+    for t, h, w in grids:
+        r = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
+        c = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
+        rows.append(r.transpose(1, 2).reshape(-1).repeat(t))
+        cols.append(c.transpose(1, 2).reshape(-1).repeat(t))
+    pos = torch.stack([torch.cat(rows), torch.cat(cols)], dim=-1).to(device)  # [N, 2]
+    freqs = (pos[..., None].float() * inv_freq.to(device)).flatten(1)  # [N, head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,92 +14,26 @@ The same (arch, size, seed) always gives the same bytes.
 
 from __future__ import annotations
 
-import json
-import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import save_file
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
-from tokenizers import Tokenizer as _HFTokenizer
 
 from models.checkpoint import read_header, weight_map
 from models.qwen2_vl.vision import VISION_TENSORS
 from models.registry import arch_by_name
+from models.testing.qwen_files import (
+    INIT_STD,
+    SPECIAL_TOKENS,
+    train_tokenizer,
+    write_json,
+    write_weights,
+)
+from models.testing.qwen_files import generation_config as _generation_config
+from models.testing.qwen_files import tokenizer_config as _tokenizer_config
 
 Size = Literal["tiny", "small"]
-
-# The family's added tokens, in the family's order, after the BPE vocabulary.
-SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-
-# Qwen2's pre-tokenizer split: contractions, letter runs (with one leading non-letter), single
-# digits, punctuation runs, newlines, other whitespace.
-SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# The Qwen2-VL prompt format: a default system turn, ChatML turns, one vision placeholder per
-# media part (optionally numbered with add_vision_id).
-CHAT_TEMPLATE = (
-    "{%- set seen = namespace(images=0, videos=0) -%}\n"
-    "{%- for message in messages -%}\n"
-    "{%- if loop.first and message['role'] != 'system' -%}\n"
-    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}\n"
-    "{%- endif -%}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}\n"
-    "{%- if message['content'] is string -%}\n"
-    "{{- message['content'] -}}\n"
-    "{%- else -%}\n"
-    "{%- for part in message['content'] -%}\n"
-    "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}\n"
-    "{%- set seen.images = seen.images + 1 -%}\n"
-    "{%- if add_vision_id -%}{{- 'Picture ' ~ seen.images ~ ': ' -}}{%- endif -%}\n"
-    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}\n"
-    "{%- elif part['type'] == 'video' or 'video' in part -%}\n"
-    "{%- set seen.videos = seen.videos + 1 -%}\n"
-    "{%- if add_vision_id -%}{{- 'Video ' ~ seen.videos ~ ': ' -}}{%- endif -%}\n"
-    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}\n"
-    "{%- elif 'text' in part -%}\n"
-    "{{- part['text'] -}}\n"
-    "{%- endif -%}\n"
-    "{%- endfor -%}\n"
-    "{%- endif -%}\n"
-    "{{- '<|im_end|>\\n' -}}\n"
-    "{%- endfor -%}\n"
-    "{%- if add_generation_prompt -%}\n"
-    "{{- '<|im_start|>assistant\\n' -}}\n"
-    "{%- endif -%}\n"
-)
-
-# Text for the tokenizer's merges: plain prose (ours), then made-up words for vocabulary size.
-_PROSE = """\
-The cluster splits serving into three roles. Encoders turn images and video frames into
-embeddings; language model workers prefill prompts and decode tokens; a proxy in front hashes
-every media item, asks the cache what it already holds and routes the rest. Describe the image.
-What is in this picture? How many people are there, and what are they doing? Summarise the video
-in two sentences. Write a short poem about the sea at night. Explain why the sky is blue.
-A red bicycle leans against a white wall, next to a green door and a small window. 0123456789
-Numbers, dates (2024-05-17), prices ($3.50), e-mail@example.com, code: x = f(y) + 2 * z;
-Café, naïve, résumé, über, señor. Questions? Answers! Lists: one, two, three.
-"""
 
 
 @dataclass(frozen=True)
@@ -170,9 +104,6 @@ SHAPES: dict[str, Shape] = {
     ),
 }
 
-# Random weights are N(0, INIT_STD); NOTE: three times the usual 0.02, so that greedy
-# decoding has clear logit gaps and comparisons with the reference do not hinge on ties.
-INIT_STD = 0.06
 ROPE_THETA = 1_000_000.0
 # Bump when what make_checkpoint writes changes (the built-in model's cache path has it).
 FORMAT_VERSION = 1
@@ -204,14 +135,14 @@ def make_checkpoint(
         raise FileExistsError(f"{out} is not empty")
     tokenizer = train_tokenizer(shape.vocab_size - len(SPECIAL_TOKENS))
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-    _write_json(out / "config.json", _config(arch, shape, ids))
-    _write_json(out / "generation_config.json", _generation_config(ids))
-    _write_weights(out, _random_weights(arch, shape, seed), shape.max_shard_bytes)
+    write_json(out / "config.json", _config(arch, shape, ids))
+    write_json(out / "generation_config.json", _generation_config(ids))
+    write_weights(out, _random_weights(arch, shape, seed), shape.max_shard_bytes)
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(ids))
+    write_json(out / "tokenizer_config.json", _tokenizer_config(ids))
     image_proc, video_proc = _processor_configs(arch, shape)
-    _write_json(out / "preprocessor_config.json", image_proc)
-    _write_json(out / "video_preprocessor_config.json", video_proc)
+    write_json(out / "preprocessor_config.json", image_proc)
+    write_json(out / "video_preprocessor_config.json", video_proc)
     return out
 
 
@@ -227,79 +158,6 @@ def count_parameters(out_dir: str | Path) -> dict[str, int]:
             role = "vision" if VISION_TENSORS(name) is not None else "lm"
             counts[role] += numel
     return counts
-
-
-# -- tokenizer ---------------------------------------------------------------------------------
-
-
-def corpus(num_words: int) -> list[str]:
-    """The built-in training text: the prose above, then deterministic made-up words."""
-    rng = random.Random(1234)
-    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
-    syllables += ["th", "ch", "sh", "qu", "ng", "st", "tr"]
-    lines = _PROSE.splitlines(keepends=True) * 4
-    line: list[str] = []
-    for i in range(num_words):
-        word = "".join(rng.choice(syllables) for _ in range(rng.randint(1, 4)))
-        line.append(word.capitalize() if i % 11 == 0 else word)
-        if len(line) == 12:
-            lines.append(" ".join(line) + rng.choice([". ", ", ", "? ", "!\n", ".\n"]))
-            line = []
-    return lines
-
-
-def train_tokenizer(bpe_size: int) -> _HFTokenizer:
-    """A byte-level BPE with `bpe_size` tokens, then the family's special tokens."""
-    tok = _HFTokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=bpe_size,
-        min_frequency=1,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    # About 12 words per learned merge is enough text to fill the vocabulary.
-    tok.train_from_iterator(corpus(max(2000, bpe_size * 12)), trainer)
-    if tok.get_vocab_size() != bpe_size:
-        raise RuntimeError(f"BPE training gave {tok.get_vocab_size()} tokens, wanted {bpe_size}")
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    return tok
-
-
-def _tokenizer_config(ids: dict[str, int]) -> dict[str, Any]:
-    added = {
-        str(token_id): {
-            "content": token,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for token, token_id in ids.items()
-    }
-    return {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 32768,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
 
 
 # -- configs -----------------------------------------------------------------------------------
@@ -369,14 +227,6 @@ def _config(arch: str, s: Shape, ids: dict[str, int]) -> dict[str, Any]:
         "vision_config": dict(sorted(vision.items())),
         "vision_end_token_id": ids["<|vision_end|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
-    }
-
-
-def _generation_config(ids: dict[str, int]) -> dict[str, Any]:
-    return {
-        "bos_token_id": ids["<|endoftext|>"],
-        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-        "pad_token_id": ids["<|endoftext|>"],
     }
 
 
@@ -493,33 +343,3 @@ def _random_weights(arch: str, s: Shape, seed: int) -> dict[str, torch.Tensor]:
             t = torch.randn(shape, generator=gen) * INIT_STD
         out[name] = t.contiguous()
     return out
-
-
-def _write_weights(
-    out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None
-) -> None:
-    names = sorted(tensors)
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in names:
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    if len(shards) == 1:
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n] for n in shard}, str(out / file), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(shard, file)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    _write_json(out / "model.safetensors.index.json", index)
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")

@@ -22,8 +22,6 @@ from typing import Any
 import torch
 
 from models.media import ProcessedMedia
-from models.qwen2_vl.config import load_arch_config
-from models.qwen2_vl.language_model import Qwen2LanguageModel
 from models.qwen2_vl.processing import MediaProcessor
 from models.qwen2_vl.rope import (
     MediaSpan,
@@ -31,7 +29,6 @@ from models.qwen2_vl.rope import (
     mrope_positions,
     num_placeholder_tokens,
 )
-from models.qwen2_vl.vision import VisionTower
 from models.registry import load_family
 from models.sampling import Draws, SamplingParams, sample_row
 from models.testing.attention import ContiguousKVAttention
@@ -77,14 +74,13 @@ class ReferenceModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        self.arch = load_arch_config(checkpoint_dir)
-        self.tokenizer = load_family(checkpoint_dir).tokenizer()
+        family = load_family(checkpoint_dir)  # Qwen2-VL, Qwen2.5-VL or Qwen3-VL
+        self.arch = family.arch
+        self.tokenizer = family.tokenizer()
         self.processor = MediaProcessor.from_checkpoint(checkpoint_dir)
-        self.tower = VisionTower.from_checkpoint(checkpoint_dir, self.arch.vision, dtype, device)
+        self.tower = family.load_tower(dtype, device)
         self.attention = ContiguousKVAttention(self.arch.text.num_layers)
-        self.lm = Qwen2LanguageModel.from_checkpoint(
-            checkpoint_dir, self.arch.text, self.attention, dtype, device
-        )
+        self.lm = family.language_model(self.attention, dtype, device)
         self.device = torch.device(device)
         self._next_seq_id = 0
 
@@ -146,7 +142,7 @@ class ReferenceModel:
             len(prepared.token_ids),
             prepared.spans,
             vision.spatial_merge_size,
-            vision.tokens_per_second,
+            getattr(vision, "tokens_per_second", None),
         )
 
     @torch.inference_mode()
