@@ -30,6 +30,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
         "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "models.qwen2_vl:Qwen2VLFamily"
     ),
+    Architecture("qwen3_vl", "Qwen3VLForConditionalGeneration", "models.qwen3_vl:Qwen3VLFamily"),
+    Architecture(
+        "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "models.qwen3_vl:Qwen3VLFamily"
+    ),
     Architecture(
         "voxtral_realtime",
         "VoxtralRealtimeForConditionalGeneration",

@@ -124,6 +124,10 @@ def make_checkpoint(
         from models.testing.make_voxtral import make_voxtral_checkpoint
 
         return make_voxtral_checkpoint(out_dir, size, seed, **overrides)
+    if module == "models.qwen3_vl":
+        from models.testing.make_qwen3_vl import make_qwen3_vl_checkpoint
+
+        return make_qwen3_vl_checkpoint(out_dir, arch, size, seed, **overrides)
     if module != "models.qwen2_vl":
         raise ValueError(f"make-model writes no {arch!r} checkpoints (family {family})")
     if size not in SHAPES:

@@ -1,0 +1,246 @@
+"""Qwen3-VL, dense and MoE, held against transformers on checkpoints of odd sizes, including
+ones transformers itself wrote (`save_pretrained` of the model it loaded from ours); then
+through the LM engine (chunked prefill through an image, prefill -> decode handover) and
+start-up refusals of configs this code cannot serve."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from connector.wire import decode, encode
+from models import load_family
+from models.checkpoint import CheckpointError
+from models.qwen3_vl.language_model import Experts
+from models.testing import ImageItem, ReferenceModel, make_checkpoint
+from tests.lm_helpers import case_parts, make_engine, png, run
+from tests.model_helpers import TORCH_THREADS, hf_image_processor, hf_inputs, random_image
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json")
+# (name, arch, overrides): odd sizes; the MoE one with a dense layer among its sparse ones.
+CHECKPOINTS = {
+    "dense": ("qwen3_vl", {}),
+    "dense-odd": (
+        "qwen3_vl",
+        {"vision_depth": 4, "deepstack_visual_indexes": (1, 2, 3), "num_layers": 4},
+    ),
+    "moe": ("qwen3_vl_moe", {}),
+    "moe-odd": (
+        "qwen3_vl_moe",
+        {"num_experts": 5, "num_experts_per_tok": 3, "tie_word_embeddings": True},
+    ),
+}
+
+
+def hf_class(arch: str):
+    import transformers
+
+    if arch == "qwen3_vl_moe":
+        return transformers.Qwen3VLMoeForConditionalGeneration
+    return transformers.Qwen3VLForConditionalGeneration
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """name -> (checkpoint dir, ReferenceModel, transformers model). Each `-hf` entry is the
+    checkpoint transformers wrote from the model it loaded (its own layout and names)."""
+    torch.set_num_threads(TORCH_THREADS)
+    root = tmp_path_factory.mktemp("qwen3")
+    out = {}
+    for name, (arch, overrides) in CHECKPOINTS.items():
+        path = make_checkpoint(root / name, arch, "tiny", seed=3, **overrides)
+        hf = hf_class(arch).from_pretrained(path, dtype=torch.float32).eval()
+        out[name] = (path, ReferenceModel(path), hf)
+        if name in ("dense", "moe"):
+            written = root / f"{name}-hf"
+            hf.save_pretrained(written)
+            for file in TOKENIZER_FILES:
+                shutil.copy(path / file, written / file)
+            out[f"{name}-hf"] = (written, ReferenceModel(written), hf)
+    return out
+
+
+def chat(*parts):
+    content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+IMAGES = [png(100, 70), png(64, 130, (10, 200, 30)), png(200, 40, (0, 0, 255))]
+PROMPTS = {
+    "text": (chat("Tell me about the weather."), []),
+    "image": (chat(None, "What is this?"), IMAGES[:1]),
+    "two images": (chat(None, "and", None, "compared?"), IMAGES[1:]),
+}
+
+
+def test_preprocessing_equals_reference(pairs):
+    path, ref, _ = pairs["dense"]
+    settings = json.loads((path / "preprocessor_config.json").read_text())
+    theirs = hf_image_processor(
+        **{k: settings[k] for k in ("patch_size", "merge_size", "size", "image_mean", "image_std")}
+    )
+    for size in [(100, 70), (33, 250), (512, 300)]:
+        data = random_image(*size, seed=sum(size))
+        ours = ref.processor.process_picture(data)
+        expected = theirs(images=[data], return_tensors="pt")
+        assert list(ours.grid.grid_thw) == expected["image_grid_thw"][0].tolist()
+        torch.testing.assert_close(ours.pixel_values, expected["pixel_values"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["dense", "dense-odd", "moe-odd", "dense-hf"])
+def test_vision_outputs_and_every_deepstack_level_equal_reference(pairs, name):
+    _, ref, hf = pairs[name]
+    media = [ref.processor.process_image(d) for d in IMAGES]
+    pixels = torch.cat([m.pixel_values for m in media])
+    grids = torch.tensor([m.grid.grid_thw for m in media])
+    with torch.no_grad():
+        theirs = hf.model.visual(pixels, grid_thw=grids)
+    ours = torch.cat(ref.embed_media(media))  # [tokens, 1 + levels, hidden]
+    levels = theirs.deepstack_features
+    assert ours.shape == (theirs.pooler_output.shape[0], 1 + len(levels), ref.arch.text.hidden_size)
+    torch.testing.assert_close(ours[:, 0], theirs.pooler_output, rtol=1e-5, atol=1e-5)
+    for i, level in enumerate(levels):
+        torch.testing.assert_close(ours[:, 1 + i], level, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", [*list(CHECKPOINTS), "dense-hf", "moe-hf"])
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+def test_logits_equal_reference(pairs, name, prompt):
+    _, ref, hf = pairs[name]
+    messages, images = PROMPTS[prompt]
+    prepared = ref.prepare(messages, [ImageItem(d) for d in images])
+    with torch.no_grad():
+        theirs = hf(**hf_inputs(ref, prepared)).logits[0]
+    torch.testing.assert_close(ref.prefill_logits(prepared), theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["dense", "moe", "moe-hf"])
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+def test_greedy_tokens_equal_reference(pairs, name, prompt):
+    _, ref, hf = pairs[name]
+    messages, images = PROMPTS[prompt]
+    items = [ImageItem(d) for d in images]
+    prepared = ref.prepare(messages, items)
+    with torch.no_grad():
+        out = hf.generate(**hf_inputs(ref, prepared), max_new_tokens=16, do_sample=False)
+    theirs = out[0, len(prepared.token_ids) :].tolist()
+    ours = ref.generate(messages, items, max_tokens=16)
+    assert ours[: len(theirs)] == theirs
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_engine_equals_reference_with_chunks_through_an_image(pairs, name):
+    path, ref, _ = pairs[name]
+    cases = {
+        "text": case_parts(ref, "text", ["Hello there, how are you today?"]),
+        "image": case_parts(ref, "image", [IMAGES[0], "What is in this picture?"]),
+        "two": case_parts(ref, "two", [IMAGES[1], "and", IMAGES[2], "compare"]),
+    }
+    out = run(make_engine(path), *cases.values())
+    for key, c in cases.items():
+        assert out[key].token_ids == c.expected, key
+    # Chunks of 8 cut each image's placeholders: every chunk gathers its rows of every level.
+    image = cases["two"]
+    f = image.features[0]
+    assert any(f.offset < k < f.offset + f.length for k in range(8, f.offset + f.length, 8))
+    engine = make_engine(path, max_num_batched_tokens=8, max_num_seqs=4)
+    out = run(engine, image, cases["text"])
+    assert out["two"].token_ids == image.expected
+    assert out["text"].token_ids == cases["text"].expected
+
+
+def test_prefill_then_decode_equals_the_reference(pairs, redis_server):
+    """P + D: the prefill engine adds the deepstack levels; the decode engine takes the KV
+    they went into and gathers no embedding at all."""
+    from tests.test_kv_connector import handover, shared_engine
+
+    path, ref, _ = pairs["moe"]
+    c = case_parts(ref, "pd", [IMAGES[0], "Describe", IMAGES[1]])
+    prefill = shared_engine(path, redis_server.url)
+    decode_engine = shared_engine(path, redis_server.url)
+    tokens, rest = handover(prefill, decode_engine, c)
+    assert tokens == c.expected
+    assert rest.last.num_cached_tokens == len(c.token_ids)
+
+
+def test_an_embedding_travels_with_its_level_count():
+    """One cache entry per item: the wire header's shape says how many levels it holds; a
+    worker whose model takes another count refuses it by name."""
+
+    rows = torch.randn(6, 3, 64)
+    back = decode(encode(rows))
+    assert back.shape == (6, 3, 64) and torch.equal(back, rows)
+
+
+def test_the_model_state_refuses_embeddings_of_another_shape(pairs):
+    from models.family import EmbeddingMismatch
+
+    path, _, _ = pairs["dense"]
+    family = load_family(path)
+    state = family.model_state(None)
+    hidden, levels = family.text.hidden_size, family.arch.vision.num_levels
+    good = torch.zeros(5, levels, hidden)
+    assert state.process_mm_embeds("h", good, 5).embeds is good
+    for bad, what in [
+        (torch.zeros(5, hidden), r"\(5, 3, 64\)"),  # a Qwen2-VL entry: no levels
+        (torch.zeros(5, levels + 1, hidden), "levels"),
+        (torch.zeros(4, levels, hidden), "levels"),
+    ]:
+        with pytest.raises(EmbeddingMismatch, match=what):
+            state.process_mm_embeds("h", bad, 5)
+
+
+def test_dense_experts_equal_the_routed_ones():
+    """The static path CUDA graphs capture (every expert, unrouted ones weighted zero) gives
+    the routed path's outputs; on a CPU the routed path runs."""
+    from models.qwen3_vl.config import MoEConfig
+
+    torch.manual_seed(0)
+    moe = MoEConfig(6, 2, 24, True, 1, ())
+    experts = Experts(32, moe)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.1)
+    torch.nn.init.normal_(experts.down_proj, std=0.1)
+    x = torch.randn(9, 32)
+    top_weight, top_index = torch.rand(9, 6).softmax(-1).topk(2)
+    with torch.no_grad():
+        routed = experts.routed(x, top_index, top_weight)
+        torch.testing.assert_close(experts.dense(x, top_index, top_weight), routed)
+        torch.testing.assert_close(experts(x, top_index, top_weight), routed)
+
+
+def _edit(path, fn):
+    cfg = json.loads((path / "config.json").read_text())
+    fn(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda c: c["text_config"]["rope_parameters"].update(rope_type="yarn"), "rope_type"),
+        (
+            lambda c: c["text_config"]["rope_parameters"].update(mrope_interleaved=False),
+            "mrope_interleaved",
+        ),
+        (lambda c: c["vision_config"].update(deepstack_visual_indexes=[0, 9]), "deepstack"),
+        (lambda c: c["vision_config"].update(num_position_embeddings=30), "num_position"),
+        (lambda c: c["text_config"].update(num_experts_per_tok=9), "num_experts_per_tok"),
+        (lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[6, 5]), "section"),
+    ],
+)
+def test_configs_it_cannot_serve_are_refused_naming_the_field(tmp_path, edit, field):
+    path = make_checkpoint(tmp_path / "c", "qwen3_vl_moe", "tiny")
+    _edit(path, edit)
+    with pytest.raises(CheckpointError, match=field):
+        load_family(path).text  # noqa: B018 (parsing the config is the check)
+
+
+def test_a_missing_deepstack_merger_is_refused_at_load(tmp_path):
+    """A config that lists three deepstack layers over a checkpoint with two mergers."""
+    path = make_checkpoint(tmp_path / "c", "qwen3_vl", "tiny")
+    _edit(path, lambda c: c["vision_config"].update(deepstack_visual_indexes=[0, 1, 2]))
+    with pytest.raises(CheckpointError, match=r"deepstack_merger_list\.2"):
+        load_family(path).load_encoder(torch.float32, torch.device("cpu"))
