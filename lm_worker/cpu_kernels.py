@@ -508,16 +508,18 @@ def weight_bytes(model: nn.Module) -> int:
     packed copy where its one-row kernel is oneDNN; MKL's packed copy, padded to many times
     the weight on small layers, is counted as the weight it holds), norms and biases; an
     embedding table is looked up, one row a token, so it does not count (a tied LM head reads
-    its own copy)."""
-    seen, total = set(), 0
+    its own copy). A module with a `read_fraction` (MoE experts: top_k of num_experts) counts
+    that fraction of its tensors: the share one token reads."""
+    seen, total = set(), 0.0
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             continue
         tensors = list(module._parameters.values())
         if isinstance(module, CPULinear) and module.row == "onednn":
             tensors = [module.packed_weight, module.bias]
+        fraction = getattr(module, "read_fraction", 1.0)
         for t in tensors:
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
-                total += t.numel() * t.element_size()
-    return total
+                total += t.numel() * t.element_size() * fraction
+    return int(total)

@@ -82,6 +82,9 @@ class Experts(nn.Module):
     def __init__(self, hidden: int, moe: MoEConfig):
         super().__init__()
         e, i = moe.num_experts, moe.intermediate_size
+        # The share of these weights one token's step reads (its top_k experts): what a
+        # batch-1 decode's roofline counts (lm_worker/cpu_kernels.py weight_bytes).
+        self.read_fraction = moe.top_k / moe.num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))
         self.down_proj = nn.Parameter(torch.empty(e, hidden, i))
 
