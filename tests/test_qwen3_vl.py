@@ -1,23 +1,32 @@
 """Qwen3-VL, dense and MoE, held against transformers on checkpoints of odd sizes, including
 ones transformers itself wrote (`save_pretrained` of the model it loaded from ours); then
 through the LM engine (chunked prefill through an image, prefill -> decode handover) and
-start-up refusals of configs this code cannot serve."""
+start-up refusals of configs this code cannot serve. Video: sampling, sizing, timestamps and
+the prompt run as transformers' Qwen3-VL processor makes them, positions, logits and tokens."""
 
 from __future__ import annotations
 
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 from connector.wire import decode, encode
-from models import load_family
+from lm_worker.request import Request
+from models import MMFeature, SamplingParams, load_family
 from models.checkpoint import CheckpointError
 from models.qwen3_vl.language_model import Experts
-from models.testing import ImageItem, ReferenceModel, make_checkpoint
+from models.testing import ImageItem, ReferenceModel, VideoItem, make_checkpoint
 from tests.lm_helpers import case_parts, make_engine, png, run
-from tests.model_helpers import TORCH_THREADS, hf_image_processor, hf_inputs, random_image
+from tests.model_helpers import (
+    TORCH_THREADS,
+    hf_image_processor,
+    hf_inputs,
+    make_video,
+    random_image,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json")
 # (name, arch, overrides): odd sizes; the MoE one with a dense layer among its sparse ones.
@@ -69,6 +78,7 @@ def chat(*parts):
 
 
 IMAGES = [png(100, 70), png(64, 130, (10, 200, 30)), png(200, 40, (0, 0, 255))]
+VIDEO = make_video("mp4", 11, 4, 96, 64, seed=3)  # 5 frames sampled: 3 temporal patches
 PROMPTS = {
     "text": (chat("Tell me about the weather."), []),
     "image": (chat(None, "What is this?"), IMAGES[:1]),
@@ -166,6 +176,110 @@ def test_prefill_then_decode_equals_the_reference(pairs, redis_server):
     assert rest.last.num_cached_tokens == len(c.token_ids)
 
 
+@pytest.mark.parametrize(("total", "fps"), [(11, 4.0), (48, 24.0), (300, 30.0), (7, 2.0), (3, 1.0)])
+def test_video_sampling_sizing_and_timestamps_equal_reference(total, fps):
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+        Qwen3VLVideoProcessor,
+        smart_resize,
+    )
+    from transformers.video_utils import VideoMetadata
+
+    from models.qwen3_vl.processing import (
+        VIDEO_DEFAULTS,
+        patch_timestamps,
+        sample_frame_indices,
+        video_resize,
+    )
+
+    theirs = Qwen3VLVideoProcessor(min_frames=4, max_frames=768, fps=2)
+    want = theirs.sample_frames(VideoMetadata(total_num_frames=total, fps=fps), fps=2).tolist()
+    ours = sample_frame_indices(total, fps, VIDEO_DEFAULTS)
+    assert ours == want
+    assert patch_timestamps(ours, fps, 2) == Qwen3VLProcessor._calculate_timestamps(
+        None, list(want), fps, 2
+    )
+    cfg = VIDEO_DEFAULTS
+    for frames, h, w in [(len(ours) or 2, 480, 640), (5, 64, 96), (40, 1080, 1920), (2, 20, 500)]:
+        if frames < 2:
+            continue
+        expected = smart_resize(frames, h, w, 2, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+        assert video_resize(frames, h, w, cfg) == expected
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_video_prompt_positions_logits_and_tokens_equal_reference(pairs, name):
+    """A container through Qwen3-VL's video rules: the prompt transformers' processor writes
+    (timestamped frames, computed from the header), its positions (each temporal patch
+    positioned as an image of its own), logits and greedy tokens."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    _, ref, hf = pairs[name]
+    messages = chat(None, "What happens, and in this?", None)
+    messages[0]["content"][0] = {"type": "video"}
+    items = [VideoItem(container=VIDEO), ImageItem(IMAGES[0])]
+    prepared = ref.prepare(messages, items)
+    video, image = prepared.media
+    meta = video.grid.video_metadata
+    # The prompt as transformers' processor writes it: the template's video markers replaced
+    # by one timestamped run per temporal patch, the text tokenized whole.
+    t, h, w = video.grid.grid_thw
+    pads = "<|video_pad|>" * (h * w // 4)
+    times = Qwen3VLProcessor._calculate_timestamps(None, list(meta.frames_indices), meta.fps, 2)
+    assert len(times) == t
+    run = "".join(f"<{s:.1f} seconds><|vision_start|>{pads}<|vision_end|>" for s in times)
+    text = ref.tokenizer.apply_chat_template(messages)
+    text = text.replace("<|vision_start|><|video_pad|><|vision_end|>", run)
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * image.grid.num_tokens)
+    assert prepared.token_ids == ref.tokenizer.encode(text)
+    inputs = hf_inputs(ref, prepared)
+    with torch.no_grad():
+        positions, delta = hf.model.get_rope_index(
+            inputs["input_ids"],
+            inputs["mm_token_type_ids"],
+            inputs["image_grid_thw"],
+            inputs["video_grid_thw"],
+        )
+        ours, our_delta = ref.positions(prepared)
+        assert torch.equal(ours, positions[:, 0]) and our_delta == int(delta)
+        theirs = hf(**inputs).logits[0]
+        out = hf.generate(**inputs, max_new_tokens=12, do_sample=False)
+    torch.testing.assert_close(ref.prefill_logits(prepared), theirs, rtol=1e-4, atol=1e-4)
+    want = out[0, len(prepared.token_ids) :].tolist()
+    assert ref.generate(messages, items, max_tokens=12)[: len(want)] == want
+
+
+def test_engine_gathers_a_video_run_in_chunks(pairs):
+    """The LM engine on a video whose run holds timestamps between its frames, in chunks of 8
+    that cut frames and timestamps: the reference's tokens."""
+    path, ref, _ = pairs["moe"]
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Go"}]}]
+    items = [VideoItem(container=VIDEO)]
+    prepared = ref.prepare(messages, items)
+    (embeds,) = ref.embed_media(prepared.media)
+    grid = prepared.media[0].grid
+    offset = prepared.token_ids.index(grid.run.tokens[0])
+    feature = MMFeature(
+        "vid",
+        offset,
+        len(grid.run.tokens),
+        np.asarray(grid.run.is_embed),
+        "video",
+        grid.grid_thw,
+    )
+    expected = ref.generate(messages, items, max_tokens=12, ignore_eos=True)
+    for budget in (256, 8):
+        engine = make_engine(path, max_num_batched_tokens=budget, max_num_seqs=4)
+        request = Request(
+            "v",
+            list(prepared.token_ids),
+            SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12),
+            [feature],
+        )
+        out = run(engine, (request, {"vid": embeds}))
+        assert out["v"].token_ids == expected, budget
+
+
 def test_an_embedding_travels_with_its_level_count():
     """One cache entry per item: the wire header's shape says how many levels it holds; a
     worker whose model takes another count refuses it by name."""
@@ -236,6 +350,14 @@ def test_configs_it_cannot_serve_are_refused_naming_the_field(tmp_path, edit, fi
     _edit(path, edit)
     with pytest.raises(CheckpointError, match=field):
         load_family(path).text  # noqa: B018 (parsing the config is the check)
+
+
+def test_evs_settings_it_cannot_honour_are_refused(pairs):
+    from models.family import FamilyOptions
+
+    path, _, _ = pairs["dense"]
+    with pytest.raises(CheckpointError, match="video_pruning_rate"):
+        load_family(path, FamilyOptions(video_pruning_rate=0.5))
 
 
 def test_a_missing_deepstack_merger_is_refused_at_load(tmp_path):

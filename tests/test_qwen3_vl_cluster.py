@@ -1,6 +1,7 @@
 """`epd up --model <a Qwen3-VL-MoE checkpoint>`: the OpenAI API answers with transformers'
-greedy tokens, and again with the image held in the embedding cache (one entry per item: main
-embedding and deepstack levels together)."""
+greedy tokens, again with the image held in the embedding cache (one entry per item: main
+embedding and deepstack levels together), and for a video container (its timestamped prompt
+run written by the proxy from the header)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import signal
 import openai
 import torch
 
-from models.testing import ImageItem, ReferenceModel, make_checkpoint
+from models.testing import ImageItem, ReferenceModel, VideoItem, make_checkpoint
 from tests.cluster_helpers import Cluster
 from tests.lm_helpers import png
-from tests.model_helpers import TORCH_THREADS, hf_inputs
+from tests.model_helpers import TORCH_THREADS, hf_inputs, make_video
 from tests.test_qwen3_vl import hf_class
 from tests.test_up import Up
 
@@ -70,6 +71,27 @@ def test_up_serves_qwen3_vl_moe_with_transformers_tokens(tmp_path):
         )
         assert metric("epd_mm_items_total", result="held") == 1
         assert metric("epd_mm_items_total", result="encoded") == 1
+        # A video container: the proxy writes the timestamped run from its header alone.
+        video = make_video("mp4", 11, 4, 96, 64, seed=3)
+        vmessages = [
+            {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}
+        ]
+        vprepared = ref.prepare(vmessages, [VideoItem(container=video)])
+        with torch.no_grad():
+            out = hf.generate(
+                **hf_inputs(ref, vprepared), max_new_tokens=MAX_TOKENS, do_sample=False
+            )
+        want = out[0, len(vprepared.token_ids) :].tolist()
+        vurl = "data:video/mp4;base64," + base64.b64encode(video).decode()
+        content = [
+            {"type": "video_url", "video_url": {"url": vurl}},
+            {"type": "text", "text": text},
+        ]
+        reply = client.chat.completions.create(
+            **{**kwargs, "messages": [{"role": "user", "content": content}]}
+        )
+        assert reply.usage.prompt_tokens == len(vprepared.token_ids)
+        assert reply.choices[0].model_extra["token_ids"][: len(want)] == want
         cluster.proc.send_signal(signal.SIGINT)
         assert cluster.proc.wait(60) == 0
     finally:

@@ -188,8 +188,13 @@ def check_pruning_rate(q: Any, where: str) -> float:
     return float(q)
 
 
-def load_processor_configs(checkpoint_dir: str | Path) -> tuple[ProcessorConfig, ProcessorConfig]:
-    """(image, video) preprocessing settings of a checkpoint."""
+def load_processor_configs(
+    checkpoint_dir: str | Path,
+    image_defaults: ProcessorConfig | None = None,
+    video_defaults: ProcessorConfig | None = None,
+) -> tuple[ProcessorConfig, ProcessorConfig]:
+    """(image, video) preprocessing settings of a checkpoint, over the family's defaults
+    (Qwen2-VL's when None) for what its files leave out."""
     root = Path(checkpoint_dir)
     nested = (
         read_json(root / "processor_config.json")
@@ -203,8 +208,9 @@ def load_processor_configs(checkpoint_dir: str | Path) -> tuple[ProcessorConfig,
     for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
         if video_raw is None and (root / name).exists():
             video_raw = read_json(root / name)
-    image = _processor_config(image_raw or {}, base=ProcessorConfig(), where=str(root))
-    video = _processor_config(video_raw or {}, base=VIDEO_DEFAULTS, where=str(root))
+    image_base, video_base = image_defaults or ProcessorConfig(), video_defaults or VIDEO_DEFAULTS
+    image = _processor_config(image_raw or {}, base=image_base, where=str(root))
+    video = _processor_config(video_raw or {}, base=video_base, where=str(root))
     return image, video
 
 

@@ -24,7 +24,7 @@ from models.qwen2_vl.config import (
 from models.qwen2_vl.evs import POSITION_CHANNELS, prune_video, split_positions
 from models.qwen2_vl.language_model import Qwen2LanguageModel
 from models.qwen2_vl.processing import DEFAULT_MAX_IMAGE_PIXELS, MediaProcessor
-from models.qwen2_vl.rope import MediaSpan, mrope_positions, num_placeholder_tokens
+from models.qwen2_vl.rope import MediaSpan, frame_spans, mrope_positions, num_placeholder_tokens
 from models.qwen2_vl.vision import VISION_TENSORS, VisionTower
 from models.tokenizer import Tokenizer
 
@@ -117,6 +117,12 @@ class MRopeState(ModelState):
         spans = []
         for f in features:
             if f.grid_thw is None or f.modality not in ("image", "video"):
+                continue
+            if f.is_embed is not None:  # text between its frames: a span per frame
+                try:
+                    spans += frame_spans(f.offset, f.grid_thw, f.is_embed, self.spatial_merge_size)
+                except ValueError as e:
+                    raise EmbeddingMismatch(f"{f.mm_hash}: {e}") from None
                 continue
             kept = media_positions.get(f.mm_hash)
             if kept is not None:

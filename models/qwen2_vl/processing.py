@@ -189,7 +189,7 @@ class MediaProcessor:
                 f"{header.width * header.height} pixels, above the limit of "
                 f"{self.max_image_pixels} (decompression bomb protection)"
             )
-        indices = sample_frame_indices(header.total_num_frames, header.fps, cfg)
+        indices = self._sample_frames(header.total_num_frames, header.fps, cfg)
         if len(indices) > self.max_frames:
             raise MediaError(
                 f"the video samples to {len(indices)} frames, more than {self.max_frames}"
@@ -270,6 +270,16 @@ class MediaProcessor:
         except (CheckpointError, TypeError, ValueError) as e:
             raise MediaError(f"bad {modality} processor kwargs {kwargs}: {e}") from e
 
+    def _sample_frames(self, total: int, source_fps: float, cfg: ProcessorConfig) -> list[int]:
+        """The frames of a container's stream to take (the family's sampling rule)."""
+        return sample_frame_indices(total, source_fps, cfg)
+
+    def _resized(
+        self, modality: VisionModality, num_frames: int, height: int, width: int, cfg
+    ) -> tuple[int, int]:
+        """The (height, width) the item's frames are resized to (the family's rule)."""
+        return smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+
     def _check_video(self, frames: Sequence[bytes], fps: float) -> None:
         if not frames:
             raise MediaError("video has no frames")
@@ -288,7 +298,7 @@ class MediaProcessor:
         fps: float | None = None,
     ) -> MediaGrid:
         if cfg.do_resize:
-            height, width = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+            height, width = self._resized(modality, num_frames, height, width, cfg)
         elif height % cfg.factor or width % cfg.factor:
             raise MediaError(
                 f"with resizing off, sides must be multiples of {cfg.factor}, got {width}x{height}"

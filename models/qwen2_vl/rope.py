@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from models.layers import inverse_frequencies
@@ -32,6 +33,25 @@ class MediaSpan:
     # EVS: the kept tokens' (t, h, w) positions [n, 3] as if the item stood at position 0; the
     # run then holds n tokens. None: every token of the grid, positions from the grid.
     positions: torch.Tensor | None = None
+
+
+def frame_spans(
+    offset: int, grid_thw: Sequence[int], is_embed: Sequence[bool], spatial_merge_size: int
+) -> list[MediaSpan]:
+    """An item whose run holds text between its frames (Qwen3-VL video: timestamps and vision
+    markers; `is_embed` flags its placeholders): one span per temporal patch, at its own
+    placeholders, positioned as a still image (time fixed, height and width its grid), with
+    the text between them positioned as text. ValueError when the flags do not fit the grid."""
+    t, h, w = grid_thw
+    per_frame = h * w // spatial_merge_size**2
+    flags = np.asarray(is_embed, dtype=bool)
+    starts = np.flatnonzero(flags & ~np.concatenate([[False], flags[:-1]]))
+    if len(starts) != t or flags.sum() != t * per_frame:
+        raise ValueError(
+            f"{int(flags.sum())} placeholders in {len(starts)} runs for a video of grid "
+            f"{tuple(grid_thw)} ({t} runs of {per_frame})"
+        )
+    return [MediaSpan(offset + int(s), (1, h, w), "image") for s in starts]
 
 
 def num_placeholder_tokens(grid_thw: Sequence[int], spatial_merge_size: int) -> int:

@@ -1,6 +1,8 @@
 """The Qwen3-VL family (dense and MoE). What the roles see of it is
-models.family.ModelFamily; most of it is the Qwen2-VL family's (tokenizer, placeholders,
-preprocessing, M-RoPE positions), with its own tower, LM and embedding shape.
+models.family.ModelFamily; much of it is the Qwen2-VL family's (tokenizer, placeholders, image
+preprocessing, M-RoPE positions), with its own tower, LM, embedding shape and video
+(models/qwen3_vl/processing.py: each temporal patch its own timestamped run in the prompt,
+positioned as an image of its own).
 
 Each media item's embedding is [tokens, 1 + deepstack levels, hidden] (models/qwen3_vl/
 vision.py): one cache entry per item, its level count in the wire header's shape.
@@ -14,15 +16,15 @@ from functools import cached_property
 import torch
 
 from models.attention import AttentionBackend
-from models.checkpoint import weights_fingerprint
+from models.checkpoint import CheckpointError, weights_fingerprint
 from models.family import EmbeddingMismatch, LoadedEmbedding
-from models.media import Modality
 from models.qwen2_vl.config import load_processor_configs
 from models.qwen2_vl.family import MRopeState, Qwen2VLFamily
-from models.qwen2_vl.processing import DEFAULT_MAX_IMAGE_PIXELS, MediaProcessor
+from models.qwen2_vl.processing import DEFAULT_MAX_IMAGE_PIXELS
 from models.qwen2_vl.vision import VISION_TENSORS
 from models.qwen3_vl.config import ModelArchConfig, load_arch_config
 from models.qwen3_vl.language_model import Qwen3LanguageModel
+from models.qwen3_vl.processing import IMAGE_DEFAULTS, VIDEO_DEFAULTS, Qwen3MediaProcessor
 from models.qwen3_vl.vision import VisionTower
 
 # Bump when our preprocessing or tower numerics change, so cached embeddings stop matching.
@@ -53,29 +55,39 @@ class Qwen3VLFamily(Qwen2VLFamily):
     def arch(self) -> ModelArchConfig:  # type: ignore[override]
         return load_arch_config(self.path)
 
-    @cached_property
+    def __init__(self, path, options=None):
+        super().__init__(path, options)
+        if self.options.video_pruning_rate:  # the cluster's setting: refused, never ignored
+            raise CheckpointError(
+                f"{self.path}: video_pruning_rate {self.options.video_pruning_rate}: EVS is not "
+                "served for Qwen3-VL yet (nor is its video); set it to 0"
+            )
+
+    @property
     def video_pruning_rate(self) -> float:
         return 0.0
 
-    @property
-    def modalities(self) -> tuple[Modality, ...]:
-        # NOTE: Qwen3-VL video (frames sampled with timestamps written into the prompt) is
-        # not served yet; a video item is refused at the proxy as any unserved modality is.
-        return ("image",)
-
-    def processor(self, max_image_pixels: int | None = None) -> MediaProcessor:
-        return MediaProcessor.from_checkpoint(
-            self.path, max_image_pixels=max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS
+    def processor(self, max_image_pixels: int | None = None) -> Qwen3MediaProcessor:
+        o = self.options
+        limits = {"max_frames": o.max_video_frames, "max_video_seconds": o.max_video_seconds}
+        tokens = self.arch.tokens
+        return Qwen3MediaProcessor.from_checkpoint(
+            self.path,
+            self.tokenizer().encode,
+            (tokens.vision_start_token_id, tokens.video_token_id, tokens.vision_end_token_id),
+            max_image_pixels=max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS,
+            **{k: v for k, v in limits.items() if v is not None},
         )
 
     def fingerprint(self, dtype: torch.dtype) -> str:
-        image, _ = load_processor_configs(self.path)
+        image, video = load_processor_configs(self.path, IMAGE_DEFAULTS, VIDEO_DEFAULTS)
         settings = {
             "code": EMBEDDING_CODE_VERSION,
             "family": "qwen3_vl",
             "dtype": str(dtype).removeprefix("torch."),
             "vision": asdict(self.arch.vision),
             "image": asdict(image),
+            "video": asdict(video),
         }
         return weights_fingerprint(self.path, VISION_TENSORS, settings)
 

@@ -2,8 +2,8 @@
 writes for `Qwen3VLForConditionalGeneration` / `Qwen3VLMoeForConditionalGeneration` (test
 support: no role server imports this): config.json, generation_config.json,
 model.safetensors (or shards), tokenizer.json and tokenizer_config.json (the Qwen2-VL family's
-tokenizer and chat template, models/testing/make.py) and preprocessor_config.json (16-pixel
-patches, mean and std 0.5).
+tokenizer and chat template, models/testing/qwen_files.py), preprocessor_config.json (16-pixel
+patches, mean and std 0.5) and video_preprocessor_config.json.
 
 MoE experts are written as released checkpoints hold them: `mlp.experts.gate_up_proj`
 [experts, hidden, 2 x moe_intermediate], `mlp.experts.down_proj` [experts, moe_intermediate,
@@ -51,6 +51,7 @@ class Qwen3Shape:
     num_position_embeddings: int
     deepstack_visual_indexes: tuple[int, ...]
     max_pixels: int
+    video_max_pixels: int  # the whole clip's
     min_pixels: int = 32 * 32 * 4
     # MoE (qwen3_vl_moe only)
     num_experts: int = 4
@@ -78,6 +79,7 @@ SHAPES: dict[str, Qwen3Shape] = {
         num_position_embeddings=36,  # a 6 x 6 grid
         deepstack_visual_indexes=(0, 1),
         max_pixels=32 * 32 * 64,
+        video_max_pixels=32 * 32 * 128,
         mlp_only_layers=(1,),
     ),
     "small": Qwen3Shape(
@@ -97,6 +99,7 @@ SHAPES: dict[str, Qwen3Shape] = {
         num_position_embeddings=576,  # 24 x 24
         deepstack_visual_indexes=(1, 3, 5),
         max_pixels=32 * 32 * 256,
+        video_max_pixels=32 * 32 * 1024,
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=512,
@@ -124,6 +127,7 @@ def make_qwen3_vl_checkpoint(
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     write_json(out / "tokenizer_config.json", tokenizer_config(ids))
     write_json(out / "preprocessor_config.json", _image_processor(shape))
+    write_json(out / "video_preprocessor_config.json", _video_processor(shape))
     return out
 
 
@@ -208,6 +212,30 @@ def _image_processor(s: Qwen3Shape) -> dict[str, Any]:
         "rescale_factor": 1 / 255,
         "size": {"longest_edge": s.max_pixels, "shortest_edge": s.min_pixels},
         "temporal_patch_size": 2,
+    }
+
+
+def _video_processor(s: Qwen3Shape) -> dict[str, Any]:
+    """transformers' Qwen3VLVideoProcessor settings: the pixel budget is the whole clip's."""
+    return {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "do_sample_frames": True,
+        "fps": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "max_frames": 768,
+        "merge_size": 2,
+        "min_frames": 4,
+        "patch_size": PATCH,
+        "processor_class": "Qwen3VLProcessor",
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "size": {"longest_edge": s.video_max_pixels, "shortest_edge": s.min_pixels},
+        "temporal_patch_size": 2,
+        "video_processor_type": "Qwen3VLVideoProcessor",
     }
 
 

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from models.media import ProcessedMedia
-from models.qwen2_vl.processing import MediaProcessor
 from models.qwen2_vl.rope import (
     MediaSpan,
+    frame_spans,
     mrope_decode_positions,
     mrope_positions,
     num_placeholder_tokens,
@@ -32,7 +32,7 @@ from models.qwen2_vl.rope import (
 from models.registry import load_family
 from models.sampling import Draws, SamplingParams, sample_row
 from models.testing.attention import ContiguousKVAttention
-from models.tokenizer import expand_placeholders
+from models.tokenizer import expand_media
 
 # A prompt: chat messages (rendered with the checkpoint's template), raw text, or token ids.
 # Each media item appears as one <|image_pad|> / <|video_pad|> token.
@@ -62,7 +62,9 @@ class PreparedPrompt:
 
     token_ids: list[int]  # expanded
     media: list[ProcessedMedia]
-    spans: list[MediaSpan] = field(default_factory=list)  # one per media item, in order
+    # One per media item in order (one per frame for a video whose run has text between
+    # its frames).
+    spans: list[MediaSpan] = field(default_factory=list)
 
 
 class ReferenceModel:
@@ -77,7 +79,7 @@ class ReferenceModel:
         family = load_family(checkpoint_dir)  # Qwen2-VL, Qwen2.5-VL or Qwen3-VL
         self.arch = family.arch
         self.tokenizer = family.tokenizer()
-        self.processor = MediaProcessor.from_checkpoint(checkpoint_dir)
+        self.processor = family.processor()
         self.tower = family.load_tower(dtype, device)
         self.attention = ContiguousKVAttention(self.arch.text.num_layers)
         self.lm = family.language_model(self.attention, dtype, device)
@@ -115,15 +117,20 @@ class ReferenceModel:
                     processed.append(
                         self.processor.process_video(item.frames, item.fps, item.kwargs)
                     )
-        expanded, runs = expand_placeholders(
+        expanded, runs = expand_media(
             ids,
             (tokens.image_token_id, tokens.video_token_id),
-            [m.grid.num_tokens for m in processed],
+            [m.grid.run or m.grid.num_tokens for m in processed],
         )
-        spans = [
-            MediaSpan(offset, m.grid.grid_thw, m.grid.modality, m.grid.second_per_grid_t)
-            for (offset, _), m in zip(runs, processed, strict=True)
-        ]
+        merge = self.arch.vision.spatial_merge_size
+        spans = []
+        for (offset, _, is_embed), m in zip(runs, processed, strict=True):
+            if is_embed is not None:  # text between its frames (Qwen3-VL video)
+                spans += frame_spans(offset, m.grid.grid_thw, is_embed, merge)
+            else:
+                spans.append(
+                    MediaSpan(offset, m.grid.grid_thw, m.grid.modality, m.grid.second_per_grid_t)
+                )
         return PreparedPrompt(expanded, processed, spans)
 
     # -- running -------------------------------------------------------------------------------
