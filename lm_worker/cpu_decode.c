@@ -154,7 +154,8 @@ int epd_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *b, uint1
 
 A decode step of one to eight sequences (one new token each) through Qwen2's decoder layers,
 all of it here, for each sequence:
-    h = rms_norm(x) * norm1;  q, k, v = qkv_w h + qkv_b;  q, k rotated (rotary tables);
+    h = rms_norm(x) * norm1;  q, k, v = qkv_w h + qkv_b;  (Qwen3: each q and k head
+    rms-normed);  q, k rotated (rotary tables);
     k, v written into the sequence's slot of the paged cache;  a = attention(q, its keys);
     x += o_w a;  h = rms_norm(x) * norm2;  g, u = gate_up_w h;  x += down_w (silu(g) * u);
 then the final norm. In torch each of those is an operator dispatched on its own: a few
@@ -249,6 +250,8 @@ struct epd_layer { /* one layer's tensors, contiguous, fp32 or (the decoder's bf
     const void *gate_up_w;    /* [2 intermediate, hidden]: gate, then up */
     const void *down_w;       /* [hidden, intermediate] */
     void *k_cache, *v_cache;  /* [slots, kv_heads, head_dim]: slot = block * block_size + i */
+    /* Qwen3: each query and key head RMS-normalised before the rotary ([head_dim]), or NULL */
+    const void *q_norm, *k_norm;
 };
 
 struct epd_decoder {
@@ -427,6 +430,9 @@ static int decode(const struct epd_decoder *m, const struct epd_seqs *seqs, cons
             float *row = qkv + s * qkv_rows;
             long slot = slot_table[row_of(seqs, s) * longest + seqs->lens[s] - 1]; /* its own */
             for (long i = 0; bf16 && i < qkv_rows; i++) row[i] = rnd(row[i], 1);
+            for (long head = 0; layer->q_norm && head < heads + kvh; head++) /* per head */
+                rms_norm(row + head * d, head < heads ? layer->q_norm : layer->k_norm,
+                         row + head * d, d, m->eps, bf16);
             for (long head = 0; head < heads + kvh; head++) /* q's heads, then k's */
                 rotate(row + head * d, cos + s * d, signed_sin + s * d, d, bf16);
             store(layer->k_cache, slot * kv, row + heads * d, kv, bf16);

@@ -47,7 +47,8 @@ class _Layer(ctypes.Structure):  # struct epd_layer
     _fields_ = [
         (name, ctypes.c_void_p)
         for name in (
-            "norm1", "qkv_w", "qkv_b", "o_w", "norm2", "gate_up_w", "down_w", "k_cache", "v_cache"
+            "norm1", "qkv_w", "qkv_b", "o_w", "norm2", "gate_up_w", "down_w", "k_cache", "v_cache",
+            "q_norm", "k_norm",
         )
     ]  # fmt: skip
 
@@ -108,7 +109,7 @@ class FusedDecode:
             _Layer(
                 *(t.data_ptr() if t is not None else None for t in (
                     layer.norm1, layer.qkv, layer.qkv_bias, layer.o, layer.norm2, layer.gate_up,
-                    layer.down, cache[i, 0], cache[i, 1],
+                    layer.down, cache[i, 0], cache[i, 1], layer.q_norm, layer.k_norm,
                 ))
             )
             for i, layer in enumerate(w.layers)
@@ -352,8 +353,10 @@ def _described(model: nn.Module, attention: PagedAttention) -> DecoderWeights | 
     if len(w.freq_axis) != w.head_dim // 2 or max(w.freq_axis) >= 3:
         return "its rotary frequencies do not fit its heads"
     for layer in w.layers:
+        if (layer.q_norm is None) != (layer.k_norm is None):
+            return "a layer normalises q or k per head but not both"
         for name, t in vars(layer).items():
-            if t is None and name == "qkv_bias":
+            if t is None and name in ("qkv_bias", "q_norm", "k_norm"):
                 continue
             if t is None:
                 return "the layers' dense weights were dropped (a packed kernel's choice)"

@@ -104,6 +104,9 @@ def build_engine(
     runner.dummy_run(1)  # warm-up: kernels and allocator settle before the first request
     if lm.batch_invariant and device.type == "cpu":
         why = why_not_fused(model, attention)
+        extra = getattr(model, "prefill_beyond_decoder", None)
+        if extra and not why:
+            why = f"the model adds {extra} at prefill, which its C layers do not"
         if why:
             raise RuntimeError(f"lm.batch_invariant cannot run here: {why}")
         runner.invariant = InvariantForward(model, attention)

@@ -106,7 +106,9 @@ class LanguageModel(Protocol):
     """What the LM runner calls on a family's language model (an nn.Module). Optional: a
     `decoder_weights()` describing its decoder (models/layers.py's DecoderWeights), for the LM
     worker's fused CPU decode (lm_worker/cpu_decode.py), which the runner calls in place of
-    the forward for the decode steps it takes."""
+    the forward for the decode steps it takes; and `prefill_beyond_decoder`, naming what its
+    prefill adds besides that decoder (Qwen3-VL's deepstack levels), which the
+    batch-invariant C forward cannot run."""
 
     # Capabilities, read once by the runner.
     requires_raw_input_tokens: bool  # forward needs input_ids even when embeddings are given

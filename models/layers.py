@@ -115,7 +115,8 @@ def apply_rotary_tables(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Te
 
 @dataclass
 class DecoderLayerWeights:
-    """One pre-norm decoder layer: x += o(attention(rope(qkv(norm1(x))))); then
+    """One pre-norm decoder layer: x += o(attention(rope(qkv(norm1(x))))) (Qwen3: q and k
+    RMS-normed per head before the rope); then
     x += down(silu(gate) * up)(norm2(x)), with q / k / v and gate / up merged."""
 
     norm1: torch.Tensor  # [hidden]
@@ -125,6 +126,10 @@ class DecoderLayerWeights:
     norm2: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 intermediate, hidden]: gate, then up
     down: torch.Tensor  # [hidden, intermediate]
+    # Qwen3: each query and key head RMS-normalised (these scales, [head_dim]) before the
+    # rotary; None: no such norm.
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass

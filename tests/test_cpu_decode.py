@@ -23,6 +23,11 @@ needs_c = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3_vl", "tiny", seed=3)
+
+
 def _decode_inputs(engine, seq_lens: list[int], block_size: int):
     """A random KV cache, block tables scattered over it for sequences of `seq_lens` tokens
     (their last one new; tables wider than they need, in a wider buffer as the runner's), those
@@ -72,6 +77,20 @@ def test_fused_layers_give_the_modules_logits(
             tmp_path, "qwen2_5_vl", "tiny", seed=3, hidden_size=72, intermediate_size=100,
             mrope_section=(3, 3, 3),
         )  # fmt: skip
+    _fused_equals_modules(checkpoint, seq_lens, dtype, whole_step)
+
+
+@needs_c
+@pytest.mark.parametrize(("dtype", "whole_step"), [(torch.float32, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("seq_lens", [[37, 1, 9], [600, 3, 257]])
+def test_fused_qwen3_layers_give_the_modules_logits(qwen3_checkpoint, seq_lens, dtype, whole_step):
+    """Qwen3's decoder: per-head q / k norms, head_dim apart from hidden / heads, interleaved
+    M-RoPE. In bf16 its normed q / k (entries up to ~4-8, where bf16's unit in the last place
+    is 0.016-0.03) carry a norm's scale a bit apart further: twice the bound."""
+    _fused_equals_modules(qwen3_checkpoint, seq_lens, dtype, whole_step, bf16_atol=0.04)
+
+
+def _fused_equals_modules(checkpoint, seq_lens, dtype, whole_step, bf16_atol=0.02) -> None:
     lm = LMConfig(kv_cache_bytes=32 << 20, cpu_fused_decode="on", block_size=8)
     engine = build_engine(lm, load_family(checkpoint), dtype, registry=None)
     model, cache, fused_decode = (
@@ -94,10 +113,11 @@ def test_fused_layers_give_the_modules_logits(
         want = model.compute_logits(model(None, positions, x.clone(), meta))
     # bf16: each value rounded where torch's is, sums in another order (a unit of bf16's last
     # place here and there, carried through the layers).
-    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0, "atol": 0.02}
+    bf16 = dtype == torch.bfloat16
+    tol = {"rtol": 0, "atol": bf16_atol} if bf16 else {"rtol": 1e-4, "atol": 1e-4}
     torch.testing.assert_close(fused.float(), want.float(), **tol)
     # The new token's K / V went to its slot in every layer, as the modules wrote them.
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.016, "atol": 0.02}
+    tol = {"rtol": 0.016, "atol": bf16_atol} if bf16 else {"rtol": 1e-5, "atol": 1e-5}
     torch.testing.assert_close(fused_cache, cache, **tol)
     assert not torch.equal(fused_cache, before)
 

@@ -27,7 +27,15 @@ from torch import nn
 
 from models.attention import AttentionBackend
 from models.checkpoint import CheckpointError, assign_lm_weights, load_tensors
-from models.layers import GatedMLP, RMSNorm, apply_rotary_tables, merge_linears, rotary_tables
+from models.layers import (
+    DecoderLayerWeights,
+    DecoderWeights,
+    GatedMLP,
+    RMSNorm,
+    apply_rotary_tables,
+    merge_linears,
+    rotary_tables,
+)
 from models.qwen2_vl.language_model import lm_tensor
 from models.qwen2_vl.rope import MRotaryEmbedding
 from models.qwen3_vl.config import MoEConfig, TextConfig
@@ -215,12 +223,50 @@ class Qwen3LanguageModel(nn.Module):
             if isinstance(layer.mlp, GatedMLP):
                 layer.mlp.merge()
 
-    def decoder_weights(self) -> str:
-        """The fused CPU decode (lm_worker/cpu_decode.py) has no per-head q / k norm (nor
-        experts): this decoder's decode steps run the modules."""
+    def decoder_weights(self) -> DecoderWeights | str:
+        """The dense decoder as the fused CPU decode reads it (models/layers.py), or why not."""
         if self.config.moe is not None:
-            return "Qwen3 decoders normalise q / k per head and route MoE experts"
-        return "Qwen3 decoders normalise q / k per head (not in the fused kernel)"
+            return "its MoE layers route experts, which the fused decode does not"
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv_proj is None or mlp.gate_up_proj is None:
+                return "its projections are not merged (merge_projections)"
+            if attn.o_proj.bias is not None:
+                return "o_proj has a bias"
+            layers.append(
+                DecoderLayerWeights(
+                    layer.input_layernorm.weight,
+                    attn.qkv_proj.weight,
+                    attn.qkv_proj.bias,
+                    attn.o_proj.weight,
+                    layer.post_attention_layernorm.weight,
+                    mlp.gate_up_proj.weight,
+                    mlp.down_proj.weight,
+                    attn.q_norm.weight,
+                    attn.k_norm.weight,
+                )
+            )
+        c = self.config
+        return DecoderWeights(
+            layers,
+            self.norm.weight,
+            self.norm.eps,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            self.rotary.inv_freq.float(),
+            self.rotary.freq_axis,
+            self.embed_tokens.weight,
+            self.lm_head.weight,
+        )
+
+    @property
+    def prefill_beyond_decoder(self) -> str | None:
+        """What its prefill adds besides the decoder `decoder_weights` describes (the
+        batch-invariant C forward, which runs prefill too, refuses a model that adds any)."""
+        return "the deepstack levels" if self.num_levels > 1 else None
 
     def embed_input_ids(
         self,
