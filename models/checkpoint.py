@@ -132,6 +132,26 @@ def load_tensors(
     return out
 
 
+def assign_module_weights(
+    module: torch.nn.Module,
+    checkpoint_dir: str | Path,
+    select: Selector,
+    what: str,
+    dtype: torch.dtype | None,
+    device: torch.device | str,
+) -> None:
+    """Take the tensors `select` takes as `module`'s parameters (built on the meta device),
+    whole: anything the module lacks or the checkpoint leaves over is a CheckpointError
+    naming the first few (a deepstack merger a config lists and the files lack, say)."""
+    tensors = load_tensors(checkpoint_dir, select, what, dtype, device)
+    missing, unexpected = module.load_state_dict(tensors, strict=False, assign=True)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{what} tensors do not match the config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+
+
 def assign_lm_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], tied: bool) -> None:
     """Take a language model's checkpoint tensors (local names) as its parameters, whole: a
     tied head is the embedding matrix (a saved copy is dropped); anything missing or left over

@@ -153,3 +153,45 @@ class DecoderWeights:
     # weight (no bias); each [vocab, hidden].
     embed: torch.Tensor | None = None
     head: torch.Tensor | None = None
+
+
+def describe_merged_decoder(lm) -> DecoderWeights | str:
+    """`DecoderWeights` of a Qwen-style LM with merged projections (Qwen2, Qwen3): its
+    `layers` (each `input_layernorm`, `self_attn.qkv_proj` / `o_proj` and, Qwen3, `q_norm` /
+    `k_norm`, `post_attention_layernorm`, `mlp.gate_up_proj` / `down_proj`), `norm`, `rotary`
+    (`inv_freq`, `freq_axis`), `embed_tokens`, `lm_head` and `config` sizes; or why not."""
+    layers = []
+    for layer in lm.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is None or getattr(mlp, "gate_up_proj", None) is None:
+            return "its projections are not merged (merge_projections)"
+        if attn.o_proj.bias is not None:
+            return "o_proj has a bias"
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        layers.append(
+            DecoderLayerWeights(
+                layer.input_layernorm.weight,
+                attn.qkv_proj.weight,
+                attn.qkv_proj.bias,
+                attn.o_proj.weight,
+                layer.post_attention_layernorm.weight,
+                mlp.gate_up_proj.weight,
+                mlp.down_proj.weight,
+                q_norm.weight if q_norm is not None else None,
+                k_norm.weight if k_norm is not None else None,
+            )
+        )
+    c = lm.config
+    return DecoderWeights(
+        layers,
+        lm.norm.weight,
+        lm.norm.eps,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.intermediate_size,
+        lm.rotary.inv_freq.float(),
+        lm.rotary.freq_axis,
+        lm.embed_tokens.weight,
+        lm.lm_head.weight,  # None where a packed kernel's choice dropped it
+    )

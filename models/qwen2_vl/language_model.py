@@ -16,11 +16,11 @@ from torch import nn
 from models.attention import AttentionBackend
 from models.checkpoint import assign_lm_weights, load_tensors, strip_prefixes
 from models.layers import (
-    DecoderLayerWeights,
     DecoderWeights,
     GatedMLP,
     RMSNorm,
     apply_rotary_tables,
+    describe_merged_decoder,
     merge_linears,
     rotary_tables,
 )
@@ -149,38 +149,7 @@ class Qwen2LanguageModel(nn.Module):
 
     def decoder_weights(self) -> DecoderWeights | str:
         """The decoder as a fused decode reads it, or why it cannot (models/layers.py)."""
-        layers = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if attn.qkv_proj is None or mlp.gate_up_proj is None:
-                return "its projections are not merged (merge_projections)"
-            if attn.o_proj.bias is not None:
-                return "o_proj has a bias"
-            layers.append(
-                DecoderLayerWeights(
-                    layer.input_layernorm.weight,
-                    attn.qkv_proj.weight,
-                    attn.qkv_proj.bias,
-                    attn.o_proj.weight,
-                    layer.post_attention_layernorm.weight,
-                    mlp.gate_up_proj.weight,
-                    mlp.down_proj.weight,
-                )
-            )
-        c = self.config
-        return DecoderWeights(
-            layers,
-            self.norm.weight,
-            self.norm.eps,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            c.intermediate_size,
-            self.rotary.inv_freq.float(),
-            self.rotary.freq_axis,
-            self.embed_tokens.weight,
-            self.lm_head.weight,  # None where a packed kernel's choice dropped it
-        )
+        return describe_merged_decoder(self)
 
     def embed_input_ids(
         self,

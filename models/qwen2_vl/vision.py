@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.checkpoint import CheckpointError, load_tensors, strip_prefixes
+from models.checkpoint import CheckpointError, assign_module_weights, strip_prefixes
 from models.layers import RMSNorm, inverse_frequencies, rotate_half
 from models.qwen2_vl.config import VisionConfig
 
@@ -163,13 +163,7 @@ class VisionTower(nn.Module):
         """Build the tower and load its tensors (never the LM's)."""
         with torch.device("meta"):
             tower = cls(config)
-        tensors = load_tensors(checkpoint_dir, VISION_TENSORS, "vision", dtype, device)
-        missing, unexpected = tower.load_state_dict(tensors, strict=False, assign=True)
-        if missing or unexpected:
-            raise CheckpointError(
-                f"vision tensors do not match the config: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
-            )
+        assign_module_weights(tower, checkpoint_dir, VISION_TENSORS, "vision", dtype, device)
         return tower.to(device).eval()
 
     @property
@@ -187,16 +181,9 @@ class VisionTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> list[torch.Tensor]:
         """As `embed_multimodal`, differentiable (training runs this)."""
-        grids = [
-            tuple(int(v) for v in g)
-            for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)
-        ]
         m = self.config.spatial_merge_size
         m2 = m * m
-        if any(h % m or w % m for _, h, w in grids):
-            raise ValueError(f"grid sides must be multiples of the merge size {m}: {grids}")
-        if pixel_values.shape[0] != sum(t * h * w for t, h, w in grids):
-            raise ValueError(f"{pixel_values.shape[0]} patches for grids {grids}")
+        grids = checked_grids(pixel_values, grid_thw, m)
         device = self.patch_embed.proj.weight.device
         x = self.patch_embed(pixel_values.to(device))  # [N, hidden]
         cos, sin = rotary_2d(grids, m, self.inv_freq, device)  # [N, head_dim] float32
@@ -237,6 +224,22 @@ class VisionTower(nn.Module):
                         lens.append(window.numel() * m * m)
             base += t * gh * gw
         return torch.cat(order), lens
+
+
+def checked_grids(
+    pixel_values: torch.Tensor, grid_thw: GridTHW, merge: int
+) -> list[tuple[int, int, int]]:
+    """The items' (t, h, w) patch grids as ints, checked against the packed patches: sides
+    multiples of the merge size, one row of `pixel_values` per patch."""
+    grids = [
+        tuple(int(v) for v in g)
+        for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)
+    ]
+    if any(h % merge or w % merge for _, h, w in grids):
+        raise ValueError(f"grid sides must be multiples of the merge size {merge}: {grids}")
+    if pixel_values.shape[0] != sum(t * h * w for t, h, w in grids):
+        raise ValueError(f"{pixel_values.shape[0]} patches for grids {grids}")
+    return grids  # type: ignore[return-value]
 
 
 def rotary_2d(

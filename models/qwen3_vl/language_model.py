@@ -28,11 +28,11 @@ from torch import nn
 from models.attention import AttentionBackend
 from models.checkpoint import CheckpointError, assign_lm_weights, load_tensors
 from models.layers import (
-    DecoderLayerWeights,
     DecoderWeights,
     GatedMLP,
     RMSNorm,
     apply_rotary_tables,
+    describe_merged_decoder,
     merge_linears,
     rotary_tables,
 )
@@ -227,40 +227,7 @@ class Qwen3LanguageModel(nn.Module):
         """The dense decoder as the fused CPU decode reads it (models/layers.py), or why not."""
         if self.config.moe is not None:
             return "its MoE layers route experts, which the fused decode does not"
-        layers = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if attn.qkv_proj is None or mlp.gate_up_proj is None:
-                return "its projections are not merged (merge_projections)"
-            if attn.o_proj.bias is not None:
-                return "o_proj has a bias"
-            layers.append(
-                DecoderLayerWeights(
-                    layer.input_layernorm.weight,
-                    attn.qkv_proj.weight,
-                    attn.qkv_proj.bias,
-                    attn.o_proj.weight,
-                    layer.post_attention_layernorm.weight,
-                    mlp.gate_up_proj.weight,
-                    mlp.down_proj.weight,
-                    attn.q_norm.weight,
-                    attn.k_norm.weight,
-                )
-            )
-        c = self.config
-        return DecoderWeights(
-            layers,
-            self.norm.weight,
-            self.norm.eps,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            c.intermediate_size,
-            self.rotary.inv_freq.float(),
-            self.rotary.freq_axis,
-            self.embed_tokens.weight,
-            self.lm_head.weight,
-        )
+        return describe_merged_decoder(self)
 
     @property
     def prefill_beyond_decoder(self) -> str | None:

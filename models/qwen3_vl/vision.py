@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.checkpoint import CheckpointError, load_tensors
+from models.checkpoint import assign_module_weights
 from models.layers import inverse_frequencies
 from models.qwen2_vl.vision import (
     _ACTIVATIONS,
@@ -33,6 +33,7 @@ from models.qwen2_vl.vision import (
     GridTHW,
     VisionAttention,
     _Segments,
+    checked_grids,
     rotary_2d,
 )
 from models.qwen3_vl.config import VisionConfig
@@ -121,13 +122,7 @@ class VisionTower(nn.Module):
         and the checkpoint lacks (a deepstack merger, say) is a CheckpointError naming it."""
         with torch.device("meta"):
             tower = cls(config)
-        tensors = load_tensors(checkpoint_dir, VISION_TENSORS, "vision", dtype, device)
-        missing, unexpected = tower.load_state_dict(tensors, strict=False, assign=True)
-        if missing or unexpected:
-            raise CheckpointError(
-                f"vision tensors do not match the config: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
-            )
+        assign_module_weights(tower, checkpoint_dir, VISION_TENSORS, "vision", dtype, device)
         return tower.to(device).eval()
 
     @property
@@ -139,15 +134,8 @@ class VisionTower(nn.Module):
         return self(pixel_values, grid_thw)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> list[torch.Tensor]:
-        grids = [
-            tuple(int(v) for v in g)
-            for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)
-        ]
         m = self.config.spatial_merge_size
-        if any(h % m or w % m for _, h, w in grids):
-            raise ValueError(f"grid sides must be multiples of the merge size {m}: {grids}")
-        if pixel_values.shape[0] != sum(t * h * w for t, h, w in grids):
-            raise ValueError(f"{pixel_values.shape[0]} patches for grids {grids}")
+        grids = checked_grids(pixel_values, grid_thw, m)
         device = self.patch_embed.proj.weight.device
         x = self.patch_embed(pixel_values.to(device))  # [N, hidden]
         x = x + self._position_embeddings(grids, device).to(x.dtype)

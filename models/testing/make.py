@@ -26,6 +26,7 @@ from models.registry import arch_by_name
 from models.testing.qwen_files import (
     INIT_STD,
     SPECIAL_TOKENS,
+    processor_settings,
     train_tokenizer,
     write_json,
     write_weights,
@@ -236,20 +237,9 @@ def _config(arch: str, s: Shape, ids: dict[str, int]) -> dict[str, Any]:
 
 def _processor_configs(arch: str, s: Shape) -> tuple[dict[str, Any], dict[str, Any]]:
     processor = "Qwen2_5_VLProcessor" if arch == "qwen2_5_vl" else "Qwen2VLProcessor"
-    common = {
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_rescale": True,
-        "do_resize": True,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "merge_size": 2,
-        "patch_size": 14,
-        "processor_class": processor,
-        "resample": 3,
-        "rescale_factor": 1 / 255,
-        "temporal_patch_size": 2,
-    }
+    common = processor_settings(
+        14, [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711], processor
+    )
     image = common | {
         "image_processor_type": "Qwen2VLImageProcessor",
         "size": {"longest_edge": s.max_pixels, "shortest_edge": s.min_pixels},

@@ -23,6 +23,7 @@ from models.testing.qwen_files import (
     INIT_STD,
     SPECIAL_TOKENS,
     generation_config,
+    processor_settings,
     tokenizer_config,
     train_tokenizer,
     write_json,
@@ -197,44 +198,20 @@ def _config(arch: str, s: Qwen3Shape, ids: dict[str, int], moe: bool) -> dict[st
 
 
 def _image_processor(s: Qwen3Shape) -> dict[str, Any]:
-    return {
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_rescale": True,
-        "do_resize": True,
-        "image_mean": [0.5, 0.5, 0.5],
+    return processor_settings(PATCH, [0.5] * 3, [0.5] * 3, "Qwen3VLProcessor") | {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "image_std": [0.5, 0.5, 0.5],
-        "merge_size": 2,
-        "patch_size": PATCH,
-        "processor_class": "Qwen3VLProcessor",
-        "resample": 3,
-        "rescale_factor": 1 / 255,
         "size": {"longest_edge": s.max_pixels, "shortest_edge": s.min_pixels},
-        "temporal_patch_size": 2,
     }
 
 
 def _video_processor(s: Qwen3Shape) -> dict[str, Any]:
     """transformers' Qwen3VLVideoProcessor settings: the pixel budget is the whole clip's."""
-    return {
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_rescale": True,
-        "do_resize": True,
+    return processor_settings(PATCH, [0.5] * 3, [0.5] * 3, "Qwen3VLProcessor") | {
         "do_sample_frames": True,
         "fps": 2,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
         "max_frames": 768,
-        "merge_size": 2,
         "min_frames": 4,
-        "patch_size": PATCH,
-        "processor_class": "Qwen3VLProcessor",
-        "resample": 3,
-        "rescale_factor": 1 / 255,
         "size": {"longest_edge": s.video_max_pixels, "shortest_edge": s.min_pixels},
-        "temporal_patch_size": 2,
         "video_processor_type": "Qwen3VLVideoProcessor",
     }
 

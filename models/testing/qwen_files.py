@@ -171,6 +171,26 @@ def generation_config(ids: dict[str, int]) -> dict[str, Any]:
     }
 
 
+def processor_settings(
+    patch_size: int, mean: list[float], std: list[float], processor_class: str
+) -> dict[str, Any]:
+    """The preprocessor settings the families' image and video configs share."""
+    return {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": mean,
+        "image_std": std,
+        "merge_size": 2,
+        "patch_size": patch_size,
+        "processor_class": processor_class,
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "temporal_patch_size": 2,
+    }
+
+
 def write_weights(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None) -> None:
     names = sorted(tensors)
     shards: list[list[str]] = [[]]

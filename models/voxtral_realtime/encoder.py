@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.checkpoint import CheckpointError, load_tensors, strip_prefixes
+from models.checkpoint import assign_module_weights, strip_prefixes
 from models.layers import RMSNorm, apply_rotary, inverse_frequencies
 from models.voxtral_realtime.config import AudioEncoderConfig, VoxtralConfig
 
@@ -172,13 +172,7 @@ class AudioEncoder(nn.Module):
     ) -> AudioEncoder:
         with torch.device("meta"):
             model = cls(config)
-        tensors = load_tensors(checkpoint_dir, encoder_tensor, "audio encoder", dtype, device)
-        missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-        if missing or unexpected:
-            raise CheckpointError(
-                f"audio encoder tensors do not match the config: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
-            )
+        assign_module_weights(model, checkpoint_dir, encoder_tensor, "audio encoder", dtype, device)
         c = config.audio
         model.tower.inv_freq = inverse_frequencies(c.head_dim, c.rope_theta).to(device)
         return model.to(device).eval()
