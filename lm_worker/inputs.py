@@ -113,6 +113,7 @@ class RequestInputs:
         # Items fetched from the connector (a realtime session's come as rows).
         self.media = [f.mm_hash for f in self.features if f.mm_hash != self.session]
         self.until: int | None = None  # the offset of the first item still lacking
+        self.laid_out: set[str] = set()  # items whose run the model state has laid out
         cache.hold(self.media)
 
     # -- sources ------------------------------------------------------------------------------
@@ -132,6 +133,8 @@ class RequestInputs:
                 loaded = LoadedEmbedding(loaded)
             self.cache.put(mm_hash, loaded)
         missing = self.missing
+        positions = self.cache.positions
+        self._lay_out(positions)
         # A prefix's positions depend on the prefix alone (a causal LM's position schemes do),
         # so the state made from the prompt before the first lacking item is exact there.
         end = min(
@@ -139,14 +142,34 @@ class RequestInputs:
             default=request.num_prompt_tokens,
         )
         if end > 0:
-            positions = self.cache.positions
             request.rope = self.model_state.rope_state(
                 end,
                 [f for f in request.mm_features if f.offset < end],
                 {h: positions[h] for h in self.media if h in positions},
+                token_ids=request.input_token_ids or request.prompt_token_ids,
             )
         self.until = end if missing else None
         return missing
+
+    def _lay_out(self, positions: Mapping[str, Any]) -> None:
+        """Items in whose run the model state moves tokens once their embedding is in (a
+        pruned video whose frames stand apart in the prompt: how many each kept): the
+        request's input ids and the item's is_embed flags as it lays them out (its
+        `relayout`)."""
+        request = self.request
+        for f in self.features:
+            if f.mm_hash in self.laid_out or f.mm_hash not in positions:
+                continue
+            self.laid_out.add(f.mm_hash)
+            ids = request.input_token_ids or request.prompt_token_ids
+            laid = self.model_state.relayout(ids, f, positions[f.mm_hash])
+            if laid is None:
+                continue
+            run, is_embed = laid
+            if request.input_token_ids is None:
+                request.input_token_ids = list(request.prompt_token_ids)
+            request.input_token_ids[f.offset : f.offset + f.length] = run
+            f.is_embed[:] = is_embed
 
     def append_rows(self, rows: torch.Tensor, closed: bool = False) -> None:
         """More per-position rows of the request's realtime session; `closed`: the last."""

@@ -38,6 +38,10 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # The family's per-request position state (ModelState.rope_state; None: plain positions).
     rope: Any = None
+    # The prompt as the model takes it where that differs from `prompt_token_ids` (which the
+    # prefix and KV hashes keep reading): a pruned video's run laid out as its frames kept
+    # their tokens (ModelState.relayout). None: the prompt itself.
+    input_token_ids: list[int] | None = None
     # Every token that takes a media embedding has its KV from the KV tier (a decode stage):
     # `rope` is the family's state past the media, and no embedding is fetched or gathered.
     media_in_kv: bool = False

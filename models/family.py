@@ -189,9 +189,20 @@ class ModelState:
         num_prompt_tokens: int,
         features: Sequence[MMFeature],
         media_positions: Mapping[str, Any] | None = None,
+        token_ids: Sequence[int] | None = None,
     ) -> Any:
         """Per-request position state, made once the request's embeddings are in.
-        `media_positions`: LoadedEmbedding.positions by mm_hash (items that carry some)."""
+        `media_positions`: LoadedEmbedding.positions by mm_hash (items that carry some);
+        `token_ids`: the prompt as the model takes it (after any `relayout`)."""
+        return None
+
+    def relayout(
+        self, token_ids: Sequence[int], feature: MMFeature, positions: Any
+    ) -> tuple[list[int], np.ndarray] | None:
+        """For an item whose run's layout depends on its embedding (a pruned Qwen3-VL video:
+        how many tokens each frame kept): the run's tokens as the model takes them and their
+        is_embed flags (the run keeps its length); None: the run stays as the proxy wrote
+        it. `positions`: the item's LoadedEmbedding.positions."""
         return None
 
     def rope_delta(self, rope: Any) -> int | None:

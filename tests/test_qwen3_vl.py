@@ -15,7 +15,7 @@ import torch
 
 from connector.wire import decode, encode
 from lm_worker.request import Request
-from models import MMFeature, SamplingParams, load_family
+from models import MediaInput, MMFeature, SamplingParams, load_family
 from models.checkpoint import CheckpointError
 from models.qwen3_vl.language_model import Experts
 from models.testing import ImageItem, ReferenceModel, VideoItem, make_checkpoint
@@ -375,12 +375,81 @@ def test_configs_it_cannot_serve_are_refused_naming_the_field(tmp_path, edit, fi
         load_family(path).text  # noqa: B018 (parsing the config is the check)
 
 
-def test_evs_settings_it_cannot_honour_are_refused(pairs):
-    from models.family import FamilyOptions
+def test_evs_lays_out_each_frame_as_it_kept_and_moves_no_position(pairs):
+    """EVS (video_pruning_rate 0.6) through the proxy's run, the encoder and the LM engine.
+    The reference, from the model's own position rule: the unpruned prompt's positions as
+    transformers computes them (get_rope_index), each frame's run keeping its timestamp and
+    markers and only its kept placeholders (the kept set from the unpruned tower's output), each
+    token at its unpruned position; its tokens come from a plain forward of our LM on it."""
+    from models import FamilyOptions, expand_media
+    from models.qwen2_vl.evs import retention_mask
+    from models.qwen2_vl.rope import mrope_decode_positions
 
-    path, _, _ = pairs["dense"]
-    with pytest.raises(CheckpointError, match="video_pruning_rate"):
-        load_family(path, FamilyOptions(video_pruning_rate=0.5))
+    path, ref, hf = pairs["dense"]
+    q = 0.6
+    family = load_family(path, FamilyOptions(video_pruning_rate=q))
+    video = make_video("mp4", 24, 4, 96, 64, seed=5, still_every=2)
+    item = MediaInput("video", video=video)
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Go"}]}]
+    ids = ref.tokenizer.encode(ref.tokenizer.apply_chat_template(messages))
+    placeholders = tuple(family.placeholder_token_ids.values())
+    # What the proxy sends: the run with the kept count spread evenly over the frames.
+    processor = family.processor()
+    grid = processor.grid(item)
+    assert 0 < grid.num_tokens < grid.num_unpruned_tokens
+    prompt, [(offset, length, is_embed)] = expand_media(ids, placeholders, [grid.run])
+    with torch.inference_mode():
+        (pruned,) = family.load_encoder(torch.float32, torch.device("cpu")).embed(
+            [processor.preprocess(item)]
+        )
+    engine = make_engine(path, family=family)
+    feature = MMFeature("v", offset, length, np.asarray(is_embed), "video", grid.grid_thw)
+    request = Request(
+        "v", list(prompt), SamplingParams(temperature=0, ignore_eos=True, max_tokens=10), [feature]
+    )
+    loaded = engine.load_embedding("v", pruned, grid.num_tokens)
+    tokens = run(engine, (request, {"v": loaded}))["v"].token_ids
+
+    # The reference: the unpruned prompt, its positions (transformers), the kept set.
+    full = ref.prepare(messages, [VideoItem(container=video)])
+    (unpruned,) = ref.embed_media(full.media)
+    m = ref.arch.vision.spatial_merge_size
+    kept = retention_mask(unpruned[:, 0], grid.grid_thw, m, q)
+    inputs = hf_inputs(ref, full)
+    with torch.no_grad():
+        positions, _ = hf.model.get_rope_index(
+            inputs["input_ids"], inputs["mm_token_type_ids"], None, inputs["video_grid_thw"]
+        )
+    video_id = family.placeholder_token_ids["video"]
+    pad_at = [i for i, t in enumerate(full.token_ids) if t == video_id]
+    drop = {i for i, k in zip(pad_at, kept.tolist(), strict=True) if not k}
+    keep = [i for i in range(len(full.token_ids)) if i not in drop]
+    want_ids = [full.token_ids[i] for i in keep]
+    want_positions = positions[:, 0, keep]
+    assert request.input_token_ids == want_ids
+    assert request.prompt_token_ids == prompt and prompt != want_ids  # hashes read the proxy's
+    np.testing.assert_array_equal(request.rope[0], want_positions.numpy())
+
+    # A plain forward of our LM on that prompt, then greedy decoding.
+    lm, attention = ref.lm, ref.attention
+    with torch.inference_mode():
+        ids_t = torch.tensor(want_ids)
+        is_mm = ids_t == video_id
+        embeds = lm.embed_input_ids(ids_t, [unpruned[kept]], is_mm)
+        meta = attention.metadata([999], [len(want_ids)])
+        hidden = lm(None, want_positions, inputs_embeds=embeds, attn_metadata=meta)
+        delta = int(want_positions.max()) + 1 - len(want_ids)
+        expected = [int(lm.compute_logits(hidden[-1:]).argmax())]
+        while len(expected) < 10:
+            at = len(want_ids) + len(expected) - 1
+            step = lm(
+                torch.tensor(expected[-1:]),
+                mrope_decode_positions(at, 1, delta),
+                attn_metadata=attention.metadata([999], [1]),
+            )
+            expected.append(int(lm.compute_logits(step).argmax()))
+        attention.free(999)
+    assert tokens == expected
 
 
 def test_a_missing_deepstack_merger_is_refused_at_load(tmp_path):

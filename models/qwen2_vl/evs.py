@@ -78,21 +78,26 @@ def video_positions(
 
 
 def append_positions(embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[n, hidden] embeddings + [n, 4] positions -> [n, hidden + 8] (exact in any dtype)."""
+    """[n, hidden] embeddings + [n, 4] positions -> [n, hidden + 8] (exact in any dtype);
+    [n, levels, hidden] (Qwen3-VL's deepstack levels) -> [n, levels, hidden + 8], each level
+    carrying its row's positions."""
     if positions.numel() and int(positions.max()) > MAX_POSITION:
         raise MediaError(
             f"the video's temporal positions reach {int(positions.max())}, above what EVS "
             f"position channels carry ({MAX_POSITION})"
         )
     halves = torch.stack([positions // 256, positions % 256], dim=-1).reshape(len(positions), -1)
-    return torch.cat([embeds, halves.to(embeds.device, embeds.dtype)], dim=1)
+    if embeds.dim() == 3:
+        halves = halves[:, None].expand(-1, embeds.shape[1], -1)
+    return torch.cat([embeds, halves.to(embeds.device, embeds.dtype)], dim=-1)
 
 
 def split_positions(embeds: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of append_positions: ([n, hidden] embeddings, [n, 4] int64 positions)."""
-    halves = embeds[:, hidden_size:].float().round().long().cpu()
-    pairs = halves.reshape(len(embeds), POSITION_FIELDS, 2)
-    return embeds[:, :hidden_size], pairs[..., 0] * 256 + pairs[..., 1]
+    """The inverse of append_positions: ([n, hidden] (or [n, levels, hidden]) embeddings,
+    [n, 4] int64 positions)."""
+    channels = embeds[:, hidden_size:] if embeds.dim() == 2 else embeds[:, 0, hidden_size:]
+    pairs = channels.float().round().long().cpu().reshape(len(embeds), POSITION_FIELDS, 2)
+    return embeds[..., :hidden_size], pairs[..., 0] * 256 + pairs[..., 1]
 
 
 def prune_video(
@@ -103,8 +108,9 @@ def prune_video(
     second_per_grid_t: float | None,
     tokens_per_second: float | None,
 ) -> torch.Tensor:
-    """A video's merged embeddings -> the kept ones with their positions appended."""
-    mask = retention_mask(embeds, grid_thw, merge_size, q)
+    """A video's merged embeddings ([tokens, width], or [tokens, levels, width] with the mask
+    taken on the main embedding, level 0) -> the kept ones with their positions appended."""
+    mask = retention_mask(embeds if embeds.dim() == 2 else embeds[:, 0], grid_thw, merge_size, q)
     positions = video_positions(grid_thw, merge_size, second_per_grid_t, tokens_per_second)
     positions = positions[mask.cpu()]
     return append_positions(embeds[mask.to(embeds.device)], positions)

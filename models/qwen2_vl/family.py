@@ -62,7 +62,7 @@ class VisionEncoder:
                 config.spatial_merge_size,
                 self.video_pruning_rate,
                 m.grid.second_per_grid_t,
-                config.tokens_per_second,
+                getattr(config, "tokens_per_second", None),  # Qwen3-VL: frame index
             )
             if m.grid.modality == "video"
             else out
@@ -112,40 +112,45 @@ class MRopeState(ModelState):
         num_prompt_tokens: int,
         features: Sequence[MMFeature],
         media_positions: Mapping[str, Any] | None = None,
+        token_ids: Sequence[int] | None = None,
     ) -> tuple[np.ndarray, int]:
         media_positions = media_positions or {}
         spans = []
         for f in features:
-            if f.grid_thw is None or f.modality not in ("image", "video"):
-                continue
-            if f.is_embed is not None:  # text between its frames: a span per frame
-                try:
-                    spans += frame_spans(f.offset, f.grid_thw, f.is_embed, self.spatial_merge_size)
-                except ValueError as e:
-                    raise EmbeddingMismatch(f"{f.mm_hash}: {e}") from None
-                continue
-            kept = media_positions.get(f.mm_hash)
-            if kept is not None:
-                grid_w = f.grid_thw[2] // self.spatial_merge_size
-                if len(kept) != f.length or (len(kept) and int(kept[0, 3]) != grid_w):
-                    raise EmbeddingMismatch(
-                        f"embedding {f.mm_hash}: {len(kept)} pruned positions of grid width "
-                        f"{int(kept[0, 3]) if len(kept) else 0} for {f.length} placeholders of "
-                        f"grid {f.grid_thw}"
-                    )
-                kept = kept[:, :3]
-            elif f.modality == "video" and self.video_pruning_rate > 0:
-                full = num_placeholder_tokens(f.grid_thw, self.spatial_merge_size)
-                if f.length != full:
-                    raise EmbeddingMismatch(
-                        f"video {f.mm_hash} has {f.length} placeholders of {full} (pruned) but "
-                        "its embedding carries no EVS positions"
-                    )
-            spans.append(MediaSpan(f.offset, f.grid_thw, f.modality, f.second_per_grid_t, kept))
+            if f.grid_thw is not None and f.modality in ("image", "video"):
+                spans += self.item_spans(f, media_positions.get(f.mm_hash), token_ids)
         positions, delta = mrope_positions(
             num_prompt_tokens, spans, self.spatial_merge_size, self.tokens_per_second
         )
         return positions.numpy(), delta
+
+    def item_spans(
+        self, f: MMFeature, kept: Any, token_ids: Sequence[int] | None
+    ) -> list[MediaSpan]:
+        """The M-RoPE spans of one item: itself; a span per frame where text stands between
+        its frames (is_embed); with its kept tokens' positions where EVS pruned it."""
+        if f.is_embed is not None:  # text between its frames: a span per frame
+            try:
+                return frame_spans(f.offset, f.grid_thw, f.is_embed, self.spatial_merge_size)
+            except ValueError as e:
+                raise EmbeddingMismatch(f"{f.mm_hash}: {e}") from None
+        if kept is not None:
+            grid_w = f.grid_thw[2] // self.spatial_merge_size
+            if len(kept) != f.length or (len(kept) and int(kept[0, 3]) != grid_w):
+                raise EmbeddingMismatch(
+                    f"embedding {f.mm_hash}: {len(kept)} pruned positions of grid width "
+                    f"{int(kept[0, 3]) if len(kept) else 0} for {f.length} placeholders of "
+                    f"grid {f.grid_thw}"
+                )
+            kept = kept[:, :3]
+        elif f.modality == "video" and self.video_pruning_rate > 0:
+            full = num_placeholder_tokens(f.grid_thw, self.spatial_merge_size)
+            if f.length != full:
+                raise EmbeddingMismatch(
+                    f"video {f.mm_hash} has {f.length} placeholders of {full} (pruned) but "
+                    "its embedding carries no EVS positions"
+                )
+        return [MediaSpan(f.offset, f.grid_thw, f.modality, f.second_per_grid_t, kept)]
 
     def rope_delta(self, rope: Any) -> int | None:
         return int(rope[1])

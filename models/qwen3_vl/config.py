@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from models.checkpoint import CheckpointError, parse_dtype, read_json
-from models.qwen2_vl.config import SpecialTokens, _special_tokens
+from models.qwen2_vl.config import SpecialTokens, _special_tokens, check_pruning_rate
 
 ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 MODEL_TYPES = {"qwen3_vl": ARCHITECTURES[0], "qwen3_vl_moe": ARCHITECTURES[1]}
@@ -116,8 +116,6 @@ def load_arch_config(checkpoint_dir: str | Path) -> ModelArchConfig:
             f"{path}: architectures {cfg.get('architectures')} / model_type "
             f"{cfg.get('model_type')!r}: supported are {list(ARCHITECTURES)}"
         )
-    if cfg.get("video_pruning_rate"):
-        raise CheckpointError(f"{path}: video_pruning_rate: EVS is not served for Qwen3-VL yet")
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         raise CheckpointError(f"{path}: text_config is missing (a transformers >= 5 config)")
@@ -131,6 +129,7 @@ def load_arch_config(checkpoint_dir: str | Path) -> ModelArchConfig:
         text=_text_config(cfg, text, moe, path),
         vision=_vision_config(cfg.get("vision_config") or {}, path),
         tokens=_special_tokens(cfg, text, generation),
+        video_pruning_rate=check_pruning_rate(cfg.get("video_pruning_rate") or 0.0, str(path)),
     )
     levels = len(out.vision.deepstack_visual_indexes)
     if levels > out.text.num_layers:

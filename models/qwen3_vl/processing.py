@@ -146,12 +146,19 @@ class Qwen3MediaProcessor(MediaProcessor):
         t, h, w = grid.grid_thw
         m = self.video_config.merge_size
         per_frame = h * w // (m * m)
+        counts = [per_frame] * t
+        if grid.num_unpruned_tokens:
+            # EVS: which frames keep how many is known once encoded; the run holds the kept
+            # count spread evenly (the first frame whole) and the LM worker lays it out as
+            # the frames kept it (models/qwen3_vl/family.py's DeepstackState.relayout).
+            rest, others = grid.num_tokens - per_frame, max(t - 1, 1)
+            counts = [per_frame] + [rest // others + (i < rest % others) for i in range(t - 1)]
         tokens: list[int] = []
         is_embed: list[bool] = []
         times = patch_timestamps(indices, fps, self.video_config.temporal_patch_size)
         assert len(times) == t, (len(times), grid.grid_thw)
-        for seconds in times:
+        for seconds, count in zip(times, counts, strict=True):
             text = self.encode(f"<{seconds:.1f} seconds>")
-            tokens += [*text, start, *[pad] * per_frame, end]
-            is_embed += [False] * (len(text) + 1) + [True] * per_frame + [False]
+            tokens += [*text, start, *[pad] * count, end]
+            is_embed += [False] * (len(text) + 1) + [True] * count + [False]
         return MediaRun(tuple(tokens), tuple(is_embed), before=(start,), after=(end,))
