@@ -518,6 +518,11 @@ class LMConfig:
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     # Largest decode batch captured; larger batches run eagerly.
     max_graph_batch_size: int = 64
+    # Prefill attention on a GPU: torch (SDPA per chunk, a dense mask over a cached prefix) or
+    # triton (lm_worker/triton_prefill.py: every chunk in one launch over the paged cache, no
+    # mask; held to the torch path under Triton's interpreter, not yet timed on a GPU: the
+    # default moves once scripts/gpu_checks.sh has). The CPU always runs torch.
+    prefill_attention: Literal["torch", "triton"] = "torch"
     # The CPU's linear kernels: auto (timed at start-up over the model's own layers, the fastest
     # that matches F.linear at one row and at a decode batch, each; cached per CPU and model
     # shape), or ROW+BATCH: the one-row kernel, linear (torch's F.linear), onednn (oneDNN on

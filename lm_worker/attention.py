@@ -1,6 +1,7 @@
 """Attention over a paged KV cache, in PyTorch (CPU and CUDA; the decode path is capturable in
 a CUDA graph), with decode on a GPU in a Triton kernel (lm_worker/triton_decode.py) that reads
-only the blocks each sequence uses.
+only the blocks each sequence uses, and prefill there optionally in one
+(lm_worker/triton_prefill.py, `lm.prefill_attention: triton`).
 
 The cache is one tensor [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim].
 A step's tokens come packed: first `num_decodes` sequences with one new token each, then the
@@ -15,6 +16,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,17 +40,23 @@ class PagedAttentionMetadata:
     decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     # The batch-invariant kernel's query tiles (lm_worker/triton_invariant.py), made once.
     invariant_tiles: tuple | None = None
+    # The Triton prefill kernel's view of the prefill chunks (lm_worker/triton_prefill.py),
+    # made by a forward's first layer that needs it.
+    prefill_plan: Any = None
 
 
 class PagedAttention:
     """The engine's attention backend (models.attention.AttentionBackend)."""
 
-    def __init__(self, block_size: int, head_dim: int):
+    def __init__(self, block_size: int, head_dim: int, triton_prefill: bool = False):
         self.block_size = block_size
+        self.triton_prefill = triton_prefill  # on a GPU: lm.prefill_attention = triton
         self.scale = head_dim**-0.5
         self.kv_cache: torch.Tensor | None = None  # allocated once the model is loaded
-        # Decode on a GPU: the Triton kernel (set by `allocate`; None: the torch path).
+        # Decode and prefill on a GPU: the Triton kernels (set by `allocate`; None: the torch
+        # path).
         self.decode_kernel = None
+        self.prefill_kernel = None
         # Called with (layer, that layer's cache) once a layer's new K / V are written, in
         # eager forwards that set it (the KV connector sends them while later layers run).
         self.on_layer_written: Callable[[int, torch.Tensor], None] | None = None
@@ -82,6 +90,8 @@ class PagedAttention:
         ]  # fmt: skip
         if device.type == "cuda":
             self.decode_kernel = _triton_decode(self.block_size)
+            if self.triton_prefill:
+                self.prefill_kernel = _triton_prefill(self.block_size)
 
     @staticmethod
     def bytes_per_block(
@@ -114,22 +124,45 @@ class PagedAttention:
         if num_decodes:
             parts.append(self._decode(q[:num_decodes], layer_kv, meta, sliding_window, layer_idx))
         start = num_decodes
-        for n, seq_len, table in zip(
-            meta.prefill_query_lens, meta.prefill_seq_lens, meta.prefill_block_tables, strict=True
-        ):
+        if meta.prefill_query_lens and self.prefill_kernel is not None and q.is_cuda:
+            # Every chunk in one launch over the paged cache, no mask materialised.
+            paged_prefill, prefill_plan = self.prefill_kernel
+            if meta.prefill_plan is None:
+                meta.prefill_plan = prefill_plan(
+                    meta.prefill_query_lens,
+                    meta.prefill_seq_lens,
+                    meta.prefill_block_tables,
+                    q.shape[1] // k.shape[1],
+                    q.device,
+                )
+            end = start + meta.prefill_plan.num_tokens
             parts.append(
-                self._prefill(
-                    q[start : start + n],
-                    k[start : start + n],
-                    v[start : start + n],
-                    layer_kv[0],
-                    layer_kv[1],
-                    seq_len,
-                    table,
+                paged_prefill(
+                    q[start:end], layer_kv[0], layer_kv[1], meta.prefill_plan, self.scale,
                     sliding_window,
                 )
-            )
-            start += n
+            )  # fmt: skip
+            start = end
+        else:
+            for n, seq_len, table in zip(
+                meta.prefill_query_lens,
+                meta.prefill_seq_lens,
+                meta.prefill_block_tables,
+                strict=True,
+            ):
+                parts.append(
+                    self._prefill(
+                        q[start : start + n],
+                        k[start : start + n],
+                        v[start : start + n],
+                        layer_kv[0],
+                        layer_kv[1],
+                        seq_len,
+                        table,
+                        sliding_window,
+                    )
+                )
+                start += n
         if start < q.shape[0]:  # padding past the real tokens (eager runs of padded batches)
             parts.append(torch.zeros_like(q[start:]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -229,6 +262,22 @@ class PagedAttention:
             enable_gqa=True,
         )
         return out.transpose(0, 1)
+
+
+def _triton_prefill(block_size: int):
+    """(paged_prefill, prefill_plan) of the Triton prefill kernel, or None (logged) where it
+    cannot run."""
+    if block_size & (block_size - 1):
+        logger.warning(
+            "block_size %d is not a power of two: prefill attention in torch", block_size
+        )
+        return None
+    try:
+        from lm_worker.triton_prefill import paged_prefill, prefill_plan
+    except ImportError as e:
+        logger.warning("Triton is not available (%s): prefill attention in torch", e)
+        return None
+    return paged_prefill, prefill_plan
 
 
 def _triton_decode(block_size: int):

@@ -57,7 +57,9 @@ def build_engine(
             f"lm.max_model_len {max_model_len} exceeds the model's max_position_embeddings "
             f"{text.max_position_embeddings}"
         )
-    attention = PagedAttention(lm.block_size, text.head_dim)
+    attention = PagedAttention(
+        lm.block_size, text.head_dim, triton_prefill=lm.prefill_attention == "triton"
+    )
     model = family.load_language_model(attention, dtype, device)
     kernel = "cuda"
     if lm.batch_invariant and device.type == "cuda":

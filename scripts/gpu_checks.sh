@@ -9,7 +9,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 # conftest.py needs the CPU-side extras (redis, grpc health); the GPU files need none of them.
 # test_lm_cuda.py: graphs vs eager vs the reference; the Triton paged decode kernel vs the torch
-# path (dtypes, sliding window, head sizes, inside a CUDA graph) and its speed at long context.
+# path (dtypes, sliding window, head sizes, inside a CUDA graph) and its speed at long context;
+# the Triton paged prefill kernel (lm.prefill_attention: triton) vs the torch path, an engine's
+# tokens on it, and its time on a 4k-token prefill (the figure that decides its default).
 python3 -c "import triton; print('triton', triton.__version__)"
 python3 -m pytest -q -s -rs --noconftest -p no:cacheprovider -o addopts="" tests/test_lm_cuda.py
 # Qwen3-VL-MoE: graph decode with the experts' static dense path, against eager and the reference.

@@ -141,6 +141,66 @@ def test_triton_paged_decode_speed_at_long_context():
     torch.testing.assert_close(outs["triton"], outs["torch"], atol=2e-2, rtol=2e-2)
 
 
+def test_triton_paged_prefill_matches_the_torch_path():
+    """lm_worker/triton_prefill.py on the GPU: the interpreter test's cases (lengths, cached
+    prefixes, windows, GQA ratios, head sizes 64 / 80 / 128, fp32 and bf16)."""
+    from tests.test_triton_interpreter import _prefill_cases
+
+    for case in _prefill_cases("cuda"):
+        assert case["finite"] and case["close"], case
+
+
+def test_triton_prefill_engine_tokens_and_speed(checkpoint):
+    """An engine on `lm.prefill_attention: triton` gives the torch path's greedy tokens
+    (prompts that chunk and share prefixes); then the attention of one 4k-token prefill,
+    timed both ways (printed with -s)."""
+    prompts = [[100 + (i * 7 + j) % 300 for j in range(300 + 40 * i)] for i in range(4)]
+    prompts.append([*prompts[0][:200], 5, 6, 7])  # a prefix-cache hit
+    lm = dict(device="cuda", kv_cache_bytes=256 << 20, max_num_seqs=8, max_model_len=1024,
+              max_num_batched_tokens=256)  # fmt: skip
+    family = load_family(checkpoint)
+    torch_engine = build_engine(LMConfig(**lm), family, torch.float32, registry=None)
+    triton_engine = build_engine(
+        LMConfig(**lm, prefill_attention="triton"), family, torch.float32, registry=None
+    )
+    assert triton_engine.runner.attention.prefill_kernel is not None
+    want, _ = generate(torch_engine, prompts, 16)
+    got, _ = generate(triton_engine, prompts, 16)
+    assert got == want
+
+    from lm_worker.attention import PagedAttention, PagedAttentionMetadata
+
+    n, heads, kv_heads, head_dim, block = 4096, 28, 4, 128, 16
+    att = PagedAttention(block, head_dim, triton_prefill=True)
+    att.allocate(1, n // block + 2, kv_heads, head_dim, torch.bfloat16, torch.device("cuda"))
+    q = torch.randn(n, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(n, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    table = torch.arange(1, n // block + 1, device="cuda")
+    times, outs = {}, {}
+    for name in ("triton", "torch"):
+        kernel = att.prefill_kernel if name == "triton" else None
+        for _ in range(4):
+            meta = PagedAttentionMetadata(
+                slot_mapping=torch.arange(block, n + block, device="cuda"), num_decodes=0,
+                decode_block_tables=table[None], decode_seq_lens=torch.ones(1, device="cuda"),
+                prefill_query_lens=[n], prefill_seq_lens=[n], prefill_block_tables=[table],
+            )  # fmt: skip
+            saved, att.prefill_kernel = att.prefill_kernel, kernel
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            outs[name] = att(0, q, k, k, meta)
+            torch.cuda.synchronize()
+            times[name] = time.perf_counter() - started
+            att.prefill_kernel = saved
+    flops = 4 * n * n / 2 * heads * head_dim
+    print(
+        f"\nprefill attention, 4096 tokens, 28 / 4 heads of 128, bf16: triton "
+        f"{times['triton'] * 1e3:.2f} ms ({flops / times['triton'] / 1e12:.0f} TFLOP/s), torch "
+        f"{times['torch'] * 1e3:.2f} ms"
+    )
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("graphs", ["off", "on"])
 def test_batch_invariant_streams_together_get_what_each_gets_alone(checkpoint, graphs, dtype):

@@ -93,6 +93,84 @@ def _run_cases() -> list[dict]:
     return results
 
 
+# dtype, window, head_dim, query heads, KV heads, chunks as (query tokens, sequence length):
+# fresh prompts, chunked prefill and prefix-cache hits (a cached prefix of seq_len - query).
+PREFILL_CASES = [
+    ("float32", None, 64, 8, 2, [(17, 17), (5, 40), (33, 100)]),
+    ("float32", 24, 80, 4, 4, [(30, 30), (16, 70)]),
+    ("bfloat16", None, 128, 8, 1, [(20, 20), (9, 57)]),
+    ("bfloat16", 16, 64, 6, 2, [(40, 40), (7, 90), (1, 33)]),
+]
+
+
+def test_the_triton_prefill_kernel_in_the_interpreter_matches_the_torch_path():
+    """lm_worker/triton_prefill.py: every chunk of a step in one launch over the paged cache
+    (lengths, cached prefixes, sliding windows, GQA ratios, head sizes 64 / 80 / 128, fp32 and
+    bf16) against the torch path chunk by chunk; reading only the keys a chunk may see."""
+    results = interpreted("prefill")
+    assert len(results) == len(PREFILL_CASES)
+    for case in results:
+        assert case["finite"], case  # a NaN block or tail was read
+        assert case["close"], case
+
+
+def _prefill_cases(device: str = "cpu") -> list[dict]:
+    """PREFILL_CASES, each as a dict of what the kernel gave against the torch path (on
+    `device`: the interpreter's CPU here, a GPU in tests/test_lm_cuda.py)."""
+    import torch
+
+    from lm_worker.attention import PagedAttention
+    from lm_worker.triton_prefill import paged_prefill, prefill_plan
+
+    results = []
+    for dtype_name, window, head_dim, heads, kv_heads, chunks in PREFILL_CASES:
+        torch.manual_seed(len(results))
+        dtype, block = getattr(torch, dtype_name), 16
+        need = [-(-seq_len // block) for _, seq_len in chunks]
+        att = PagedAttention(block, head_dim)
+        att.allocate(1, sum(need) + 4, kv_heads, head_dim, dtype, torch.device(device))
+        cache = att.kv_cache[0]  # [2, blocks, block, kv_heads, head_dim]
+        cache.normal_()
+        order = (torch.randperm(cache.shape[1] - 1) + 1).tolist()  # scattered, not the null one
+        tables = [torch.tensor([order.pop() for _ in range(n)], device=device) for n in need]
+        q = torch.randn(sum(n for n, _ in chunks), heads, head_dim, dtype=dtype, device=device)
+        want, at = [], 0
+        for (n, seq_len), table in zip(chunks, tables, strict=True):
+            # The chunk's own keys and values sit in its last n slots (written before attention).
+            slots = (table[:, None] * block + torch.arange(block)).reshape(-1)[
+                seq_len - n : seq_len
+            ]
+            k = cache[0].view(-1, kv_heads, head_dim)[slots]
+            v = cache[1].view(-1, kv_heads, head_dim)[slots]
+            want.append(
+                att._prefill(q[at : at + n], k, v, cache[0], cache[1], seq_len, table, window)
+            )
+            at += n
+        want = torch.cat(want)
+        poisoned = torch.full_like(cache, float("nan"))  # all but what a chunk may read
+        for (_, seq_len), table in zip(chunks, tables, strict=True):
+            for b, block_id in enumerate(table.tolist()):
+                used = min(block, seq_len - b * block)
+                poisoned[:, block_id, :used] = cache[:, block_id, :used]
+        plan = prefill_plan(
+            [n for n, _ in chunks], [s for _, s in chunks], tables, heads // kv_heads, q.device
+        )
+        got = paged_prefill(q, poisoned[0], poisoned[1], plan, att.scale, window)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        results.append(
+            {
+                "dtype": dtype_name,
+                "window": window,
+                "head_dim": head_dim,
+                "group": heads // kv_heads,
+                "finite": bool(torch.isfinite(got).all()),
+                "close": torch.allclose(got.float(), want.float(), atol=tol, rtol=tol),
+                "max_error": (got.float() - want.float()).abs().max().item(),
+            }
+        )
+    return results
+
+
 def test_the_batch_invariant_kernels_give_a_row_the_same_bits_whatever_comes_with_it():
     results = interpreted("invariant-kernels")
     assert {r["case"] for r in results} >= {"matmul", "rms_norm", "attention"}
@@ -238,5 +316,7 @@ if __name__ == "__main__":
         print(json.dumps(_invariant_kernel_cases()))
     elif which == "invariant-engine":
         print(json.dumps([_invariant_engine_case()]))
+    elif which == "prefill":
+        print(json.dumps(_prefill_cases()))
     else:
         print(json.dumps(_run_cases()))
