@@ -180,7 +180,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
     start = time.monotonic()
     try:
-        out = make_checkpoint(args.out, args.arch, args.size, args.seed)
+        out = make_checkpoint(args.out, args.arch, args.size, args.seed, device=args.device)
     except (FileExistsError, ValueError) as e:
         print(f"epd make-model: {e}", file=sys.stderr)
         return 2
@@ -343,8 +343,14 @@ def build_parser(with_benches: bool = True, with_models: bool = True) -> argpars
 
         archs = sorted(ARCH_NAMES)
     mk.add_argument("--arch", choices=archs, default="qwen2_5_vl")
-    mk.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    mk.add_argument(
+        "--size",
+        choices=["tiny", "small", "3b", "7b"],
+        default="tiny",
+        help="3b / 7b: Qwen2.5-VL-3B's / -7B's shapes in bf16 (qwen2_vl, qwen2_5_vl)",
+    )
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--device", default="cpu", help="where the weights are drawn (cuda: fast)")
     mk.set_defaults(func=cmd_make_model)
 
     demo.add_parsers(sub)

@@ -29,3 +29,14 @@ if python3 -c "import mistral_common, soundfile, soxr" 2>/dev/null; then
 else
     echo "SKIPPED tests/test_voxtral_cuda.py: pip install mistral-common soundfile soxr"
 fi
+# Real size: Qwen2.5-VL-7B's shapes in bf16 (16.6 GB, drawn on the GPU in seconds), decode
+# against Hugging Face generate on the same checkpoint and the HBM roofline. The bench runs
+# the engine in this process: it needs the project installed (pip install -e '.[test]').
+if python3 -c "import grpc, redis, prometheus_client" 2>/dev/null; then
+    rm -rf /tmp/epd-7b
+    python3 -c "from models.testing import make_checkpoint; make_checkpoint('/tmp/epd-7b', 'qwen2_5_vl', '7b', device='cuda')"
+    python3 -m epd bench lm --device cuda --dtype bfloat16 --model /tmp/epd-7b --tokens 64 \
+        --rounds 1 --streams 32 --few-streams 0 --hf-batch 8 || echo "FAILED epd bench lm at 7b"
+else
+    echo "SKIPPED the 7b decode bench: install the project first (pip install -e '.[test]')"
+fi

@@ -237,6 +237,19 @@ def test_small_shape_counts():
     assert params["vision"] < 25e6
 
 
+@pytest.mark.parametrize(("size", "lm", "vision"), [("3b", 3.09e9, 0.67e9), ("7b", 7.62e9, 0.68e9)])
+def test_real_size_shapes_count_what_the_released_checkpoints_hold(size, lm, vision):
+    """`--size 3b | 7b`: Qwen2.5-VL-3B's / -7B's parameter counts (the LM counts a tied head
+    once), within 1%: the GPU checks' figures are of models this size."""
+    from models.testing.make import SHAPES, _tensor_shapes
+
+    params = {"vision": 0, "lm": 0}
+    for name, shape in _tensor_shapes("qwen2_5_vl", SHAPES[size]).items():
+        params["vision" if name.startswith("visual.") else "lm"] += torch.Size(shape).numel()
+    assert abs(params["lm"] / lm - 1) < 0.01, params
+    assert abs(params["vision"] / vision - 1) < 0.01, params
+
+
 def test_cli_make_model(tmp_path, capsys):
     out = tmp_path / "cli"
     assert epd_main(["make-model", str(out), "--arch", "qwen2_vl", "--size", "tiny"]) == 0
@@ -245,6 +258,9 @@ def test_cli_make_model(tmp_path, capsys):
     assert count_parameters(out)["lm"] > 0
     assert epd_main(["make-model", str(out), "--size", "tiny"]) == 2
     assert "not empty" in capsys.readouterr().err
+    other = tmp_path / "qwen3"
+    assert epd_main(["make-model", str(other), "--arch", "qwen3_vl", "--device", "cuda"]) == 2
+    assert "drawn on the CPU" in capsys.readouterr().err
 
 
 def test_bench_model_written_once_atomically(tmp_path, monkeypatch):

@@ -8,8 +8,10 @@ corpus, with the family's special tokens), tokenizer_config.json with a chat tem
 Qwen2-VL format, preprocessor_config.json and video_preprocessor_config.json. transformers'
 `from_pretrained` loads the directory as it would a downloaded one.
 
-Sizes: `tiny` (tests; milliseconds) and `small` (the benchmark model, ~100M LM parameters).
-The same (arch, size, seed) always gives the same bytes.
+Sizes: `tiny` (tests; milliseconds), `small` (the benchmark model, ~100M LM parameters), and
+`3b` / `7b`: Qwen2.5-VL-3B's and -7B's shapes in bf16 (the GPU checks: 7.5 / 16.6 GB, drawn on
+`device`, written a shard at a time; their tokenizer keeps a 32k vocabulary inside the
+model's). The same (arch, size, seed) always gives the same bytes on the CPU.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from models.testing.qwen_files import (
 from models.testing.qwen_files import generation_config as _generation_config
 from models.testing.qwen_files import tokenizer_config as _tokenizer_config
 
-Size = Literal["tiny", "small"]
+Size = Literal["tiny", "small", "3b", "7b"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class Shape:
     min_pixels: int = 56 * 56
     # Shard the weights when they exceed this many bytes (exercises the index path).
     max_shard_bytes: int | None = None
+    dtype: str = "float32"  # the weights as saved
+    tokenizer_vocab: int | None = None  # BPE + special tokens; None: vocab_size
 
 
 SHAPES: dict[str, Shape] = {
@@ -103,6 +107,51 @@ SHAPES: dict[str, Shape] = {
         video_max_pixels=28 * 28 * 128,
         max_shard_bytes=200 * 1024 * 1024,
     ),
+    # Qwen2.5-VL-3B-Instruct's and -7B-Instruct's shapes (their config.json), in bf16.
+    "3b": Shape(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_layers=36,
+        num_heads=16,
+        num_kv_heads=2,
+        mrope_section=(16, 24, 24),
+        tie_word_embeddings=True,
+        vision_depth=32,
+        vision_hidden=1280,
+        vision_heads=16,
+        vision_intermediate=3420,
+        vision_mlp_ratio=4,
+        window_size=112,
+        fullatt_block_indexes=(7, 15, 23, 31),
+        max_pixels=28 * 28 * 1280,
+        video_max_pixels=28 * 28 * 768,
+        max_shard_bytes=4 << 30,
+        dtype="bfloat16",
+        tokenizer_vocab=32000,
+    ),
+    "7b": Shape(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        mrope_section=(16, 24, 24),
+        tie_word_embeddings=False,
+        vision_depth=32,
+        vision_hidden=1280,
+        vision_heads=16,
+        vision_intermediate=3420,
+        vision_mlp_ratio=4,
+        window_size=112,
+        fullatt_block_indexes=(7, 15, 23, 31),
+        max_pixels=28 * 28 * 1280,
+        video_max_pixels=28 * 28 * 768,
+        max_shard_bytes=4 << 30,
+        dtype="bfloat16",
+        tokenizer_vocab=32000,
+    ),
 }
 
 ROPE_THETA = 1_000_000.0
@@ -112,15 +161,24 @@ TOKENS_PER_SECOND = 2
 
 
 def make_checkpoint(
-    out_dir: str | Path, arch: str, size: Size = "tiny", seed: int = 0, **overrides: Any
+    out_dir: str | Path,
+    arch: str,
+    size: Size = "tiny",
+    seed: int = 0,
+    device: str = "cpu",
+    **overrides: Any,
 ) -> Path:
     """Write a random checkpoint into `out_dir` (created; must be empty) and return it.
 
     `arch` is a short name from models/registry.py's ARCHITECTURES. `overrides` replace
-    fields of the size's `Shape` (e.g. tie_word_embeddings=True).
+    fields of the size's `Shape` (e.g. tie_word_embeddings=True). `device`: where the random
+    weights are drawn (cuda: a 7B model's in seconds).
     """
     family = arch_by_name(arch).family  # ValueError for a name the registry does not list
     module = family.partition(":")[0]
+    if device != "cpu" and module != "models.qwen2_vl":
+        raise ValueError(f"{arch} checkpoints are drawn on the CPU (device {device!r} is for "
+                         "qwen2_vl and qwen2_5_vl)")  # fmt: skip
     if module == "models.voxtral_realtime":
         from models.testing.make_voxtral import make_voxtral_checkpoint
 
@@ -138,11 +196,17 @@ def make_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty")
-    tokenizer = train_tokenizer(shape.vocab_size - len(SPECIAL_TOKENS))
+    tokenizer = train_tokenizer((shape.tokenizer_vocab or shape.vocab_size) - len(SPECIAL_TOKENS))
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     write_json(out / "config.json", _config(arch, shape, ids))
     write_json(out / "generation_config.json", _generation_config(ids))
-    write_weights(out, _random_weights(arch, shape, seed), shape.max_shard_bytes)
+    write_weights(
+        out,
+        _tensor_shapes(arch, shape),
+        _random_draw(seed, device),
+        getattr(torch, shape.dtype),
+        shape.max_shard_bytes,
+    )
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     write_json(out / "tokenizer_config.json", _tokenizer_config(ids))
     image_proc, video_proc = _processor_configs(arch, shape)
@@ -223,7 +287,7 @@ def _config(arch: str, s: Shape, ids: dict[str, int]) -> dict[str, Any]:
         }
     return {
         "architectures": [arch_by_name(arch).hf_class],
-        "dtype": "float32",
+        "dtype": s.dtype,
         "image_token_id": ids["<|image_pad|>"],
         "model_type": arch,
         "text_config": text,
@@ -326,14 +390,17 @@ def _tensor_shapes(arch: str, s: Shape) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _random_weights(arch: str, s: Shape, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in sorted(_tensor_shapes(arch, s).items()):
+def _random_draw(seed: int, device: str = "cpu"):
+    """draw(name, shape) for write_weights: N(0, INIT_STD) weights, norm scales near one (biases
+    near zero), not exactly, so a swapped tensor shows; one generator drawn in name order, so
+    the same (arch, size, seed) gives the same bytes (on the CPU; `device` cuda draws a 7B
+    model's in seconds, other bytes)."""
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if "norm" in name or "ln_q" in name:
-            # Norm scales near one (bias near zero), not exactly, so a swapped tensor shows.
-            t = torch.rand(shape, generator=gen) * 0.4 + (0.8 if name.endswith("weight") else -0.2)
-        else:
-            t = torch.randn(shape, generator=gen) * INIT_STD
-        out[name] = t.contiguous()
-    return out
+            t = torch.rand(shape, generator=gen, device=device) * 0.4
+            return (t + (0.8 if name.endswith("weight") else -0.2)).cpu()
+        return (torch.randn(shape, generator=gen, device=device) * INIT_STD).cpu()
+
+    return draw

@@ -124,7 +124,9 @@ def make_qwen3_vl_checkpoint(
     moe = arch == "qwen3_vl_moe"
     write_json(out / "config.json", _config(arch, shape, ids, moe))
     write_json(out / "generation_config.json", generation_config(ids))
-    write_weights(out, _random_weights(shape, moe, seed), shape.max_shard_bytes)
+    write_weights(
+        out, _tensor_shapes(shape, moe), _random_draw(seed), torch.float32, shape.max_shard_bytes
+    )
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     write_json(out / "tokenizer_config.json", tokenizer_config(ids))
     write_json(out / "preprocessor_config.json", _image_processor(shape))
@@ -287,18 +289,19 @@ def _tensor_shapes(s: Qwen3Shape, moe: bool) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _random_weights(s: Qwen3Shape, moe: bool, seed: int) -> dict[str, torch.Tensor]:
+def _random_draw(seed: int):
+    """draw(name, shape) for write_weights, in name order from one generator."""
     gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in sorted(_tensor_shapes(s, moe).items()):
+
+    def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if "norm" in name:
             # Scales near one (biases near zero), not exactly, so a swapped tensor shows.
-            t = torch.rand(shape, generator=gen) * 0.4 + (0.8 if name.endswith("weight") else -0.2)
-        elif name.endswith("mlp.gate.weight"):
+            t = torch.rand(shape, generator=gen) * 0.4
+            return t + (0.8 if name.endswith("weight") else -0.2)
+        if name.endswith("mlp.gate.weight"):
             # A sharper router than N(0, INIT_STD): tokens prefer clear experts, so the
             # routing (and comparisons with the reference) does not hinge on near ties.
-            t = torch.randn(shape, generator=gen) * 0.5
-        else:
-            t = torch.randn(shape, generator=gen) * INIT_STD
-        out[name] = t.contiguous()
-    return out
+            return torch.randn(shape, generator=gen) * 0.5
+        return torch.randn(shape, generator=gen) * INIT_STD
+
+    return draw

@@ -7,7 +7,9 @@ models/testing/make.py (Qwen2-VL, Qwen2.5-VL) and make_qwen3_vl.py (Qwen3-VL) us
 from __future__ import annotations
 
 import json
+import math
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -191,28 +193,40 @@ def processor_settings(
     }
 
 
-def write_weights(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None) -> None:
-    names = sorted(tensors)
+def write_weights(
+    out: Path,
+    shapes: dict[str, tuple[int, ...]],
+    draw: Callable[[str, tuple[int, ...]], torch.Tensor],
+    dtype: torch.dtype,
+    max_shard_bytes: int | None,
+) -> None:
+    """Tensors `draw(name, shape)` (called in name order, one shard's worth held at a time:
+    a 7B checkpoint is never all in memory) written as dtype into model.safetensors, or into
+    shards of at most `max_shard_bytes` with model.safetensors.index.json."""
+    names = sorted(shapes)
     shards: list[list[str]] = [[]]
-    size = 0
+    size = total = 0
     for name in names:
-        nbytes = tensors[name].numel() * tensors[name].element_size()
+        nbytes = math.prod(shapes[name]) * dtype.itemsize
         if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
         size += nbytes
-    if len(shards) == 1:
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
+        total += nbytes
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n] for n in shard}, str(out / file), metadata={"format": "pt"})
+    for shard, file in zip(shards, files, strict=True):
+        tensors = {n: draw(n, shapes[n]).to(dtype).contiguous() for n in shard}
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, file)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    write_json(out / "model.safetensors.index.json", index)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        write_json(out / "model.safetensors.index.json", index)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
