@@ -157,7 +157,8 @@ all of it here, for each sequence:
     h = rms_norm(x) * norm1;  q, k, v = qkv_w h + qkv_b;  (Qwen3: each q and k head
     rms-normed);  q, k rotated (rotary tables);
     k, v written into the sequence's slot of the paged cache;  a = attention(q, its keys);
-    x += o_w a;  h = rms_norm(x) * norm2;  g, u = gate_up_w h;  x += down_w (silu(g) * u);
+    x += o_w a;  h = rms_norm(x) * norm2;  g, u = gate_up_w h;  x += down_w (silu(g) * u)
+    (a sparse MoE layer: the router's top_k experts' SwiGLUs, weighted: `moe`);
 then the final norm. In torch each of those is an operator dispatched on its own: a few
 microseconds each, about 30 a layer, a quarter of a step of the bench's model where the
 products stream 300 MB. Here they cost what their arithmetic costs. The products read each
@@ -252,6 +253,10 @@ struct epd_layer { /* one layer's tensors, contiguous, fp32 or (the decoder's bf
     void *k_cache, *v_cache;  /* [slots, kv_heads, head_dim]: slot = block * block_size + i */
     /* Qwen3: each query and key head RMS-normalised before the rotary ([head_dim]), or NULL */
     const void *q_norm, *k_norm;
+    /* A sparse MoE layer (Qwen3-VL-MoE): the router [experts, hidden] and the experts'
+       gate_up [experts, 2 moe_intermediate, hidden] and down [experts, hidden,
+       moe_intermediate], in place of gate_up_w / down_w; NULL: a dense MLP. */
+    const void *router_w, *experts_gate_up, *experts_down;
 };
 
 struct epd_decoder {
@@ -268,6 +273,9 @@ struct epd_decoder {
        each [vocab, hidden]; NULL where the model offers none. */
     const void *embed, *head;
     long vocab;
+    /* Its MoE layers' sizes (0 experts: none): top_k experts a token, renormalised when
+       norm_topk. */
+    long num_experts, top_k, moe_intermediate, norm_topk;
 };
 
 /* The step's tokens: S of them; token s belongs to the sequence whose block table is row
@@ -378,6 +386,58 @@ static void attend(const struct epd_decoder *m, const struct epd_layer *layer,
    not depend on the rest of the step; else the step is a decode of 1 .. MAX_SEQS sequences,
    its products reading each weight row once for all of them (products_for). 0; -1 when there
    is no memory for the scratch, -2 when a length does not fit its table or S is out of range. */
+/* x += moe(h) for one token (models/qwen3_vl/language_model.py's SparseMoE, routed path):
+   softmax of the router's logits in fp32, the top_k kept (renormalised when norm_topk, then
+   rounded to the model's dtype), each chosen expert's SwiGLU weighted and summed in expert
+   order from zero, then the residual add. buf: scratch of experts + 2 moe_intermediate + 2 n. */
+static void moe(const struct epd_decoder *m, const struct epd_layer *layer, const float *h,
+                float *x, float *buf, int threads) {
+    long n = m->hidden, E = m->num_experts, K = m->top_k, I = m->moe_intermediate;
+    int bf16 = (int)m->bf16;
+    size_t item = bf16 ? 2 : 4;
+    float *logits = buf, *gu = logits + E, *y = gu + 2 * I, *out = y + n;
+    products(layer->router_w, h, NULL, logits, E, n, bf16, threads);
+    float top = -INFINITY, sum = 0.0f;
+    for (long e = 0; e < E; e++) {
+        logits[e] = rnd(logits[e], bf16);
+        top = logits[e] > top ? logits[e] : top;
+    }
+    for (long e = 0; e < E; e++) sum += (logits[e] = expf(logits[e] - top));
+    for (long e = 0; e < E; e++) logits[e] /= sum; /* the probabilities */
+    long chosen[64];
+    float chosen_w[64], total = 0.0f;
+    for (long j = 0; j < K; j++) { /* the K largest, first index first among equals */
+        long best = -1;
+        for (long e = 0; e < E; e++) {
+            int taken = 0;
+            for (long i = 0; i < j; i++) taken |= chosen[i] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+        }
+        chosen[j] = best;
+        chosen_w[j] = logits[best];
+        total += logits[best];
+    }
+    for (long j = 0; j < K; j++)
+        chosen_w[j] = rnd(m->norm_topk ? chosen_w[j] / total : chosen_w[j], bf16);
+    for (long i = 0; i < n; i++) out[i] = 0.0f;
+    for (long e = 0; e < E; e++) { /* in expert order, as the routed path adds them */
+        long j = 0;
+        while (j < K && chosen[j] != e) j++;
+        if (j == K) continue;
+        const char *w_gu = (const char *)layer->experts_gate_up + e * 2 * I * n * item;
+        const char *w_dn = (const char *)layer->experts_down + e * n * I * item;
+        products(w_gu, h, NULL, gu, 2 * I, n, bf16, threads);
+        for (long i = 0; i < I; i++) {
+            float g = rnd(gu[i], bf16);
+            gu[i] = rnd(rnd(g / (1.0f + expf(-g)), bf16) * rnd(gu[I + i], bf16), bf16);
+        }
+        products(w_dn, gu, NULL, y, n, I, bf16, threads);
+        for (long i = 0; i < n; i++)
+            out[i] = rnd(out[i] + rnd(rnd(y[i], bf16) * chosen_w[j], bf16), bf16);
+    }
+    for (long i = 0; i < n; i++) x[i] = rnd(out[i] + x[i], bf16);
+}
+
 static int decode(const struct epd_decoder *m, const struct epd_seqs *seqs, const void *x_in,
                   const int64_t *ids, const int64_t *sample, long num_sample, void *out,
                   int invariant, int threads) {
@@ -398,9 +458,11 @@ static int decode(const struct epd_decoder *m, const struct epd_seqs *seqs, cons
         (S * (2 * n + 2 * d + qkv_rows + heads * d + 2 * inter) + threads * longest + logits) *
         sizeof *x);
     long *slot_table = malloc((num_rows * longest + num_rows) * sizeof *slot_table);
-    if (!x || !slot_table) {
+    float *moe_buf = malloc((m->num_experts + 2 * m->moe_intermediate + 2 * n) * sizeof *moe_buf);
+    if (!x || !slot_table || !moe_buf || m->top_k > 64) {
         free(x);
         free(slot_table);
+        free(moe_buf);
         return -1;
     }
     long *known = slot_table + num_rows * longest; /* a sequence's slots so far */
@@ -442,6 +504,10 @@ static int decode(const struct epd_decoder *m, const struct epd_seqs *seqs, cons
         PRODUCTS_OF(S, layer->o_w, att, NULL, h, n, heads * d);
         for (long i = 0; i < S * n; i++) x[i] = rnd(rnd(h[i], bf16) + x[i], bf16);
         for (long s = 0; s < S; s++) rms_norm(x + s * n, layer->norm2, h + s * n, n, m->eps, bf16);
+        if (layer->router_w) { /* a sparse MoE layer: each token its own experts */
+            for (long s = 0; s < S; s++) moe(m, layer, h + s * n, x + s * n, moe_buf, threads);
+            continue;
+        }
         PRODUCTS_OF(S, layer->gate_up_w, h, NULL, gate_up, 2 * inter, n);
         for (long s = 0; s < S; s++) { /* silu(g) * u, into g's place */
             float *g = gate_up + s * 2 * inter, *u = g + inter;
@@ -469,6 +535,7 @@ static int decode(const struct epd_decoder *m, const struct epd_seqs *seqs, cons
 #undef PRODUCTS_OF
     free(x);
     free(slot_table);
+    free(moe_buf);
     return 0;
 }
 

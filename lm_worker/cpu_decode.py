@@ -48,7 +48,7 @@ class _Layer(ctypes.Structure):  # struct epd_layer
         (name, ctypes.c_void_p)
         for name in (
             "norm1", "qkv_w", "qkv_b", "o_w", "norm2", "gate_up_w", "down_w", "k_cache", "v_cache",
-            "q_norm", "k_norm",
+            "q_norm", "k_norm", "router_w", "experts_gate_up", "experts_down",
         )
     ]  # fmt: skip
 
@@ -68,6 +68,9 @@ class _Decoder(ctypes.Structure):  # struct epd_decoder
         ("embed", ctypes.c_void_p),
         ("head", ctypes.c_void_p),
         ("vocab", ctypes.c_long),
+        *((name, ctypes.c_long) for name in (
+            "num_experts", "top_k", "moe_intermediate", "norm_topk"
+        )),
     ]  # fmt: skip
 
 
@@ -110,6 +113,7 @@ class FusedDecode:
                 *(t.data_ptr() if t is not None else None for t in (
                     layer.norm1, layer.qkv, layer.qkv_bias, layer.o, layer.norm2, layer.gate_up,
                     layer.down, cache[i, 0], cache[i, 1], layer.q_norm, layer.k_norm,
+                    layer.router, layer.experts_gate_up, layer.experts_down,
                 ))
             )
             for i, layer in enumerate(w.layers)
@@ -146,6 +150,10 @@ class FusedDecode:
             dtype == torch.bfloat16,
             *(t.data_ptr() if t is not None else None for t in ends),
             w.head.shape[0] if self.whole_step else 0,
+            w.num_experts,
+            w.top_k,
+            w.moe_intermediate,
+            w.norm_topk,
         )
         # The pointers above are into these tensors: they live as long as this object.
         self._tensors = [w, cache, self._inv_freq, self._freq_axis]
@@ -355,8 +363,14 @@ def _described(model: nn.Module, attention: PagedAttention) -> DecoderWeights | 
     for layer in w.layers:
         if (layer.q_norm is None) != (layer.k_norm is None):
             return "a layer normalises q or k per head but not both"
+        moe = layer.router is not None
+        if moe and (w.num_experts < 1 or not 1 <= w.top_k <= min(w.num_experts, 64)):
+            return "its MoE sizes do not fit (experts, top_k <= 64)"
+        optional = {"qkv_bias", "q_norm", "k_norm"} | (
+            {"gate_up", "down"} if moe else {"router", "experts_gate_up", "experts_down"}
+        )
         for name, t in vars(layer).items():
-            if t is None and name in ("qkv_bias", "q_norm", "k_norm"):
+            if t is None and name in optional:
                 continue
             if t is None:
                 return "the layers' dense weights were dropped (a packed kernel's choice)"

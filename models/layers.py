@@ -124,12 +124,18 @@ class DecoderLayerWeights:
     qkv_bias: torch.Tensor | None
     o: torch.Tensor  # [hidden, heads head_dim], no bias
     norm2: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 intermediate, hidden]: gate, then up
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: torch.Tensor | None  # [2 intermediate, hidden]: gate, then up (None: MoE)
+    down: torch.Tensor | None  # [hidden, intermediate]
     # Qwen3: each query and key head RMS-normalised (these scales, [head_dim]) before the
     # rotary; None: no such norm.
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    # A sparse MoE layer (gate_up and down None): the router [experts, hidden] and the
+    # experts' gate_up [experts, 2 moe_intermediate, hidden] and down [experts, hidden,
+    # moe_intermediate] (DecoderWeights says top_k and the renormalisation).
+    router: torch.Tensor | None = None
+    experts_gate_up: torch.Tensor | None = None
+    experts_down: torch.Tensor | None = None
 
 
 @dataclass
@@ -153,21 +159,36 @@ class DecoderWeights:
     # weight (no bias); each [vocab, hidden].
     embed: torch.Tensor | None = None
     head: torch.Tensor | None = None
+    # MoE layers' sizes (0 experts: none): top_k experts a token, their weights renormalised
+    # over the chosen when norm_topk.
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    norm_topk: bool = True
 
 
 def describe_merged_decoder(lm) -> DecoderWeights | str:
     """`DecoderWeights` of a Qwen-style LM with merged projections (Qwen2, Qwen3): its
     `layers` (each `input_layernorm`, `self_attn.qkv_proj` / `o_proj` and, Qwen3, `q_norm` /
-    `k_norm`, `post_attention_layernorm`, `mlp.gate_up_proj` / `down_proj`), `norm`, `rotary`
-    (`inv_freq`, `freq_axis`), `embed_tokens`, `lm_head` and `config` sizes; or why not."""
-    layers = []
+    `k_norm`, `post_attention_layernorm`, and `mlp.gate_up_proj` / `down_proj`, or a sparse
+    MoE's `mlp.gate` / `mlp.experts` with its `moe` sizes), `norm`, `rotary` (`inv_freq`,
+    `freq_axis`), `embed_tokens`, `lm_head` and `config` sizes; or why not."""
+    layers, moe = [], None
     for layer in lm.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.qkv_proj is None or getattr(mlp, "gate_up_proj", None) is None:
+        experts = getattr(mlp, "experts", None)
+        if attn.qkv_proj is None or (experts is None and mlp.gate_up_proj is None):
             return "its projections are not merged (merge_projections)"
         if attn.o_proj.bias is not None:
             return "o_proj has a bias"
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        dense = (
+            (None, None) if experts is not None else (mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        )
+        sparse = (None, None, None)
+        if experts is not None:
+            moe = mlp.moe
+            sparse = (mlp.gate.weight, experts.gate_up_proj, experts.down_proj)
         layers.append(
             DecoderLayerWeights(
                 layer.input_layernorm.weight,
@@ -175,10 +196,10 @@ def describe_merged_decoder(lm) -> DecoderWeights | str:
                 attn.qkv_proj.bias,
                 attn.o_proj.weight,
                 layer.post_attention_layernorm.weight,
-                mlp.gate_up_proj.weight,
-                mlp.down_proj.weight,
+                *dense,
                 q_norm.weight if q_norm is not None else None,
                 k_norm.weight if k_norm is not None else None,
+                *sparse,
             )
         )
     c = lm.config
@@ -194,4 +215,8 @@ def describe_merged_decoder(lm) -> DecoderWeights | str:
         lm.rotary.freq_axis,
         lm.embed_tokens.weight,
         lm.lm_head.weight,  # None where a packed kernel's choice dropped it
+        moe.num_experts if moe else 0,
+        moe.top_k if moe else 0,
+        moe.intermediate_size if moe else 0,
+        moe.norm_topk_prob if moe else True,
     )

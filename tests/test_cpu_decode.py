@@ -23,9 +23,9 @@ needs_c = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def qwen3_checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3_vl", "tiny", seed=3)
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])
+def qwen3_checkpoint(tmp_path_factory, request):
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), request.param, "tiny", seed=3)
 
 
 def _decode_inputs(engine, seq_lens: list[int], block_size: int):
@@ -84,7 +84,8 @@ def test_fused_layers_give_the_modules_logits(
 @pytest.mark.parametrize(("dtype", "whole_step"), [(torch.float32, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize("seq_lens", [[37, 1, 9], [600, 3, 257]])
 def test_fused_qwen3_layers_give_the_modules_logits(qwen3_checkpoint, seq_lens, dtype, whole_step):
-    """Qwen3's decoder: per-head q / k norms, head_dim apart from hidden / heads, interleaved
+    """Qwen3's decoder, dense and MoE (a router's top-k experts in sparse layers, a dense MLP
+    in another): per-head q / k norms, head_dim apart from hidden / heads, interleaved
     M-RoPE. In bf16 its normed q / k (entries up to ~4-8, where bf16's unit in the last place
     is 0.016-0.03) carry a norm's scale a bit apart further: twice the bound."""
     _fused_equals_modules(qwen3_checkpoint, seq_lens, dtype, whole_step, bf16_atol=0.04)

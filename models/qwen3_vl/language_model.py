@@ -224,9 +224,8 @@ class Qwen3LanguageModel(nn.Module):
                 layer.mlp.merge()
 
     def decoder_weights(self) -> DecoderWeights | str:
-        """The dense decoder as the fused CPU decode reads it (models/layers.py), or why not."""
-        if self.config.moe is not None:
-            return "its MoE layers route experts, which the fused decode does not"
+        """The decoder (dense or MoE) as the fused CPU decode reads it (models/layers.py), or
+        why not."""
         return describe_merged_decoder(self)
 
     @property
