@@ -84,6 +84,8 @@ def test_bench_lm(tiny_checkpoint):
         "--profile",
         "4",
         "--batch-invariant",
+        "--prefill-tokens",
+        "40,96",
         stdout=printed,
     )
     assert "1 prefill + 3 decode steps" in printed[0] and "Self CPU" in printed[0]
@@ -91,6 +93,10 @@ def test_bench_lm(tiny_checkpoint):
     assert invariant["batch1_tps"] > 0 and invariant["streams_vs_ours"] > 0
     assert invariant["few_streams_vs_ours"] > 0
     assert summary["batch1_ours_tps"] > 0 and summary["batch1_hf_tps"] > 0
+    # Prefill against HF's forward, and against the measured matmul peak.
+    assert [row["tokens"] for row in summary["prefill"]] == [40, 96]
+    assert all(row["ours_vs_hf"] > 0 and 0 < row["mfu"] for row in summary["prefill"])
+    assert summary["matmul_peak_tflops"] > 0
     assert summary["roofline_tps"] > 0 and summary["streams_vs_hf_batch"] > 0
     assert summary["linear_kernel"] in KERNELS
     assert isinstance(summary["fused_decode"], bool)

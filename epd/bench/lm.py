@@ -51,6 +51,13 @@ def _prompt(i: int) -> list[int]:
     return [100 + (7 * i + j) % 5000 for j in range(PROMPT_LEN)]
 
 
+def _long_prompt(tokens: int, seed: int, vocab: int) -> list[int]:
+    """A prefill's prompt: `tokens` ids inside the vocabulary, its first token set by `seed`
+    (a fresh prompt: no prefix-cache hit)."""
+    span = max(min(5000, vocab - 100), 1)
+    return [100 + (7 * seed + 3 * j) % span for j in range(tokens)]
+
+
 class Ours:
     def __init__(
         self,
@@ -89,6 +96,18 @@ class Ours:
 
     def weight_bytes(self) -> int:
         return weight_bytes(self.engine.runner.model)
+
+    def prefill(self, tokens: int) -> float:
+        """Seconds to prefill one prompt of `tokens` tokens (a fresh one: no prefix hit),
+        chunked as the engine chunks it, to its first token."""
+        self.count += 1
+        prompt = _long_prompt(tokens, self.count, self.engine.vocab_size)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        self.engine.add_request(Request(f"p{self.count}", prompt, params), lambda out: None)
+        started = time.perf_counter()
+        self.engine.run_to_completion()
+        _sync()
+        return time.perf_counter() - started
 
     def on_huge_pages(self) -> float:
         """The share of the parameters' bytes on 2 MiB pages (lm_worker/huge_pages.py)."""
@@ -134,6 +153,50 @@ class HuggingFace:
         )
         _sync()
         return time.perf_counter() - started
+
+    @torch.inference_mode()
+    def prefill(self, tokens: int) -> float:
+        """Seconds of one forward over a `tokens`-token prompt (the last position's logits)."""
+        vocab = self.model.config.get_text_config().vocab_size
+        ids = torch.tensor([_long_prompt(tokens, 0, vocab)], device=self.device)
+        _sync()
+        started = time.perf_counter()
+        self.model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=1)
+        _sync()
+        return time.perf_counter() - started
+
+
+def prefill_flops(model: torch.nn.Module, tokens: int) -> float:
+    """FLOPs of a prefill of `tokens` tokens: 2 per weight of every linear layer a token
+    passes (the LM head once, for the last token; MoE experts at their `read_fraction`), and
+    causal attention's two products (2 x tokens^2 x head_dim per layer and head)."""
+    linear = 0.0
+    for module in model.modules():
+        if module is getattr(model, "lm_head", None):
+            continue
+        if hasattr(module, "in_features") and hasattr(module, "out_features"):
+            linear += module.in_features * module.out_features
+        elif hasattr(module, "read_fraction"):
+            fraction = module.read_fraction
+            linear += sum(p.numel() for p in module.parameters(recurse=False)) * fraction
+    c = model.config
+    attention = 2.0 * tokens * tokens * c.num_layers * c.num_heads * c.head_dim
+    return 2.0 * linear * tokens + attention
+
+
+def matmul_peak(device: str, dtype: torch.dtype) -> float:
+    """The device's dense FLOP/s in `dtype`: the best of a few large square products."""
+    n = 4096 if device == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(6):
+        _sync()
+        started = time.perf_counter()
+        a @ b
+        _sync()
+        best = min(best, time.perf_counter() - started)
+    return 2.0 * n**3 / best
 
 
 def _calling(fn: Callable[[], None]):
@@ -258,6 +321,8 @@ def run(args: argparse.Namespace) -> int:
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     dtype = DTYPES[args.dtype]
+    if args.prefill_tokens is None:
+        args.prefill_tokens = [1024, 4096, 16384] if device == "cuda" else [512]
     ours = Ours(
         model_dir,
         max(args.streams, args.few_streams, 1),
@@ -328,6 +393,32 @@ def run(args: argparse.Namespace) -> int:
             ),
             flush=True,
         )
+    prefill_rows = []
+    if args.prefill_tokens:
+        peak = matmul_peak(device, dtype)
+        model = ours.engine.runner.model
+        for tokens in args.prefill_tokens:
+            ours.prefill(min(tokens, 64))  # warm-up of the chunk shapes
+            ours_s = min(ours.prefill(tokens) for _ in range(args.rounds))
+            hf_s = min(hf.prefill(tokens) for _ in range(args.rounds))
+            flops = prefill_flops(model, tokens)
+            prefill_rows.append(
+                {
+                    "tokens": tokens,
+                    "ours_tps": round(tokens / ours_s, 1),
+                    "hf_tps": round(tokens / hf_s, 1),
+                    "ours_vs_hf": round(hf_s / ours_s, 3),
+                    "mfu": float(f"{flops / ours_s / peak:.3g}"),
+                    "hf_mfu": float(f"{flops / hf_s / peak:.3g}"),
+                }
+            )
+            row = prefill_rows[-1]
+            print(
+                f"prefill {tokens} tokens: ours {row['ours_tps']} tok/s ({row['mfu']:.0%} of "
+                f"the {peak / 1e12:.2f} TFLOP/s a {dtype} matmul reaches here), HF "
+                f"{row['hf_tps']} ({row['hf_mfu']:.0%}): {row['ours_vs_hf']}x",
+                flush=True,
+            )
     reads = {k: med(r[k] for r in reads_r) for k in reads_r[0]}
     bandwidth = med(ours_pairs.reads + hf_pairs.reads)
     roofline = bandwidth / weights
@@ -358,6 +449,9 @@ def run(args: argparse.Namespace) -> int:
         "hf_batch_tps": round(med(hf_batch), 2),
         "streams_vs_hf_batch": round(med(ours_many) / med(hf_batch), 3),
     }
+    if prefill_rows:
+        summary["prefill"] = prefill_rows
+        summary["matmul_peak_tflops"] = round(peak / 1e12, 3)
     if args.few_streams:
         summary |= {
             "few_streams": args.few_streams,
@@ -471,6 +565,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="float32",
         choices=["float32", "bfloat16"],
         help="weights and compute, both sides (default float32; bfloat16 reads half the bytes)",
+    )
+    p.add_argument(
+        "--prefill-tokens",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=None,
+        metavar="N,N,...",
+        help="prompt lengths whose prefill is timed against HF's forward, with MFU against "
+        "the device's measured matmul peak (default 1024,4096,16384 on CUDA, 512 on a CPU; "
+        "'' for none)",
     )
     p.add_argument(
         "--profile",
