@@ -12,6 +12,7 @@ over its cached prefix plus itself, causally.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 from collections.abc import Callable
@@ -53,8 +54,8 @@ class PagedAttention:
         self.triton_prefill = triton_prefill  # on a GPU: lm.prefill_attention = triton
         self.scale = head_dim**-0.5
         self.kv_cache: torch.Tensor | None = None  # allocated once the model is loaded
-        # Decode and prefill on a GPU: the Triton kernels (set by `allocate`; None: the torch
-        # path).
+        # Decode and prefill on a GPU: the Triton kernels' modules (set by `allocate`; None:
+        # the torch path).
         self.decode_kernel = None
         self.prefill_kernel = None
         # Called with (layer, that layer's cache) once a layer's new K / V are written, in
@@ -89,9 +90,9 @@ class PagedAttention:
             for layer_kv in self.kv_cache
         ]  # fmt: skip
         if device.type == "cuda":
-            self.decode_kernel = _triton_decode(self.block_size)
+            self.decode_kernel = _triton_kernel(self.block_size, "decode")
             if self.triton_prefill:
-                self.prefill_kernel = _triton_prefill(self.block_size)
+                self.prefill_kernel = _triton_kernel(self.block_size, "prefill")
 
     @staticmethod
     def bytes_per_block(
@@ -126,9 +127,8 @@ class PagedAttention:
         start = num_decodes
         if meta.prefill_query_lens and self.prefill_kernel is not None and q.is_cuda:
             # Every chunk in one launch over the paged cache, no mask materialised.
-            paged_prefill, prefill_plan = self.prefill_kernel
             if meta.prefill_plan is None:
-                meta.prefill_plan = prefill_plan(
+                meta.prefill_plan = self.prefill_kernel.prefill_plan(
                     meta.prefill_query_lens,
                     meta.prefill_seq_lens,
                     meta.prefill_block_tables,
@@ -137,7 +137,7 @@ class PagedAttention:
                 )
             end = start + meta.prefill_plan.num_tokens
             parts.append(
-                paged_prefill(
+                self.prefill_kernel.paged_prefill(
                     q[start:end], layer_kv[0], layer_kv[1], meta.prefill_plan, self.scale,
                     sliding_window,
                 )
@@ -176,7 +176,7 @@ class PagedAttention:
         layer_idx: int,
     ) -> torch.Tensor:
         if self.decode_kernel is not None and q.is_cuda:
-            return self.decode_kernel(
+            return self.decode_kernel.paged_decode(
                 q, layer_kv[0], layer_kv[1], meta.decode_block_tables, meta.decode_seq_lens,
                 self.scale, window,
             )  # fmt: skip
@@ -263,31 +263,16 @@ def _sdpa(q, keys, values, mask, causal: bool, scale: float) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
-def _triton_prefill(block_size: int):
-    """(paged_prefill, prefill_plan) of the Triton prefill kernel, or None (logged) where it
-    cannot run."""
+def _triton_kernel(block_size: int, what: str):
+    """lm_worker/triton_{what}.py (the GPU's decode or prefill attention), or None (logged)
+    where it cannot run: Triton missing, or a block size that is not a power of two."""
     if block_size & (block_size - 1):
         logger.warning(
-            "block_size %d is not a power of two: prefill attention in torch", block_size
+            "block_size %d is not a power of two: %s attention in torch", block_size, what
         )
         return None
     try:
-        from lm_worker.triton_prefill import paged_prefill, prefill_plan
+        return importlib.import_module(f"lm_worker.triton_{what}")
     except ImportError as e:
-        logger.warning("Triton is not available (%s): prefill attention in torch", e)
+        logger.warning("Triton is not available (%s): %s attention in torch", e, what)
         return None
-    return paged_prefill, prefill_plan
-
-
-def _triton_decode(block_size: int):
-    """The Triton decode kernel, or None (logged) where it cannot run: Triton missing, or a
-    block size that is not a power of two."""
-    if block_size & (block_size - 1):
-        logger.warning("block_size %d is not a power of two: decode attention in torch", block_size)
-        return None
-    try:
-        from lm_worker.triton_decode import paged_decode
-    except ImportError as e:
-        logger.warning("Triton is not available (%s): decode attention in torch", e)
-        return None
-    return paged_decode

@@ -146,7 +146,7 @@ class RequestInputs:
                 end,
                 [f for f in request.mm_features if f.offset < end],
                 {h: positions[h] for h in self.media if h in positions},
-                token_ids=request.input_token_ids or request.prompt_token_ids,
+                token_ids=request.model_prompt,
             )
         self.until = end if missing else None
         return missing
@@ -161,8 +161,7 @@ class RequestInputs:
             if f.mm_hash in self.laid_out or f.mm_hash not in positions:
                 continue
             self.laid_out.add(f.mm_hash)
-            ids = request.input_token_ids or request.prompt_token_ids
-            laid = self.model_state.relayout(ids, f, positions[f.mm_hash])
+            laid = self.model_state.relayout(request.model_prompt, f, positions[f.mm_hash])
             if laid is None:
                 continue
             run, is_embed = laid

@@ -350,7 +350,7 @@ class ModelRunner:
         prompt_len = request.num_prompt_tokens
         if start >= prompt_len:
             return request.output_token_ids[start - prompt_len : start - prompt_len + n]
-        prompt = request.input_token_ids or request.prompt_token_ids
+        prompt = request.model_prompt
         if start + n <= prompt_len:
             return prompt[start : start + n]
         return prompt[start:] + request.output_token_ids[: start + n - prompt_len]

@@ -64,6 +64,11 @@ class Request:
     stages: Stages = field(default_factory=Stages)
 
     @property
+    def model_prompt(self) -> list[int]:
+        """The prompt as the model takes it (`input_token_ids` where set)."""
+        return self.prompt_token_ids if self.input_token_ids is None else self.input_token_ids
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

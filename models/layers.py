@@ -54,6 +54,20 @@ def merge_linears(*layers: nn.Linear) -> nn.Linear:
     return merged
 
 
+class PreNormDecoderLayer(nn.Module):
+    """x += self_attn(input_layernorm(x)); x += mlp(post_attention_layernorm(x)): the Qwen2
+    and Qwen3 decoder layers' step (each builds its own modules of those names)."""
+
+    def forward(self, x: torch.Tensor, cos, sin, attn_metadata) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # Inference: each residual added in place into the branch's fresh output (x + y and
+        # y + x are the same sums); x itself may be the runner's input buffer.
+        x = self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+
+
 class GatedMLP(nn.Module):
     """SwiGLU without biases: down(silu(gate(x)) * up(x)), the Qwen2 and Mistral LMs' MLP.
     `merge` (inference) replaces gate and up by one layer computing both."""

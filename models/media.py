@@ -123,6 +123,12 @@ class MediaGrid:
     run: MediaRun | None = None
 
     @property
+    def expansion(self) -> MediaRun | int:
+        """What the item's placeholder becomes in the prompt (models.expand_media): its run,
+        or its placeholder repeated num_tokens times."""
+        return self.run or self.num_tokens
+
+    @property
     def encoder_tokens(self) -> int:
         """Embeddings the encoder computes for the item (before any pruning): its work."""
         return self.num_unpruned_tokens or self.num_tokens

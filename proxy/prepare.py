@@ -317,7 +317,7 @@ class RequestBuilder:
             expanded, runs = expand_media(
                 ids,
                 tuple(self.placeholder.values()),
-                [i.grid.run or i.grid.num_tokens for i in items],
+                [i.grid.expansion for i in items],
             )
         except ValueError as e:
             raise BadInput(str(e)) from None

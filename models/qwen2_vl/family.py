@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -62,7 +62,7 @@ class VisionEncoder:
                 config.spatial_merge_size,
                 self.video_pruning_rate,
                 m.grid.second_per_grid_t,
-                getattr(config, "tokens_per_second", None),  # Qwen3-VL: frame index
+                config.tokens_per_second,
             )
             if m.grid.modality == "video"
             else out
@@ -177,6 +177,10 @@ class MRopeState(ModelState):
 
 class Qwen2VLFamily(ModelFamily):
     architectures = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+    embedding_code_version: ClassVar[int] = EMBEDDING_CODE_VERSION
+    # (image, video) ProcessorConfig defaults for what the checkpoint's files leave out (None:
+    # Qwen2-VL's own).
+    processor_defaults: ClassVar[tuple[Any, Any]] = (None, None)
 
     @cached_property
     def video_pruning_rate(self) -> float:
@@ -227,17 +231,20 @@ class Qwen2VLFamily(ModelFamily):
     def processor(self, max_image_pixels: int | None = None) -> MediaProcessor:
         o = self.options
         limits = {"max_frames": o.max_video_frames, "max_video_seconds": o.max_video_seconds}
-        return MediaProcessor.from_checkpoint(
-            self.path,
+        return self.make_processor(
             max_image_pixels=max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS,
             video_pruning_rate=self.video_pruning_rate,
             **{k: v for k, v in limits.items() if v is not None},
         )
 
+    def make_processor(self, **settings: Any) -> MediaProcessor:
+        """The family's processor class over the checkpoint, with `processor`'s settings."""
+        return MediaProcessor.from_checkpoint(self.path, **settings)
+
     def fingerprint(self, dtype: torch.dtype) -> str:
-        image, video = load_processor_configs(self.path)
+        image, video = load_processor_configs(self.path, *self.processor_defaults)
         settings = {
-            "code": EMBEDDING_CODE_VERSION,
+            "code": self.embedding_code_version,
             "dtype": str(dtype).removeprefix("torch."),
             "vision": asdict(self.arch.vision),
             "image": asdict(image),

@@ -18,6 +18,7 @@ from models.checkpoint import assign_lm_weights, load_tensors, strip_prefixes
 from models.layers import (
     DecoderWeights,
     GatedMLP,
+    PreNormDecoderLayer,
     RMSNorm,
     apply_rotary_tables,
     describe_merged_decoder,
@@ -79,24 +80,13 @@ class Qwen2Attention(nn.Module):
         return self.o_proj(out.reshape(T, -1))
 
 
-class Qwen2DecoderLayer(nn.Module):
+class Qwen2DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: TextConfig, layer_idx: int, backend: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Qwen2Attention(config, layer_idx, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: Any
-    ) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata)
-            return x + self.mlp(self.post_attention_layernorm(x))
-        # Inference: each residual added in place into the branch's fresh output (x + y and
-        # y + x are the same sums); x itself may be the runner's input buffer.
-        x = self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata).add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class Qwen2LanguageModel(nn.Module):

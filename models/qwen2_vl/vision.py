@@ -42,18 +42,21 @@ _ACTIVATIONS = {
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, config: VisionConfig):
+    """The patches' Conv3d (Qwen3-VL's has a bias) as the matrix product it is."""
+
+    def __init__(self, config, bias: bool = False):
         super().__init__()
         t, p = config.temporal_patch_size, config.patch_size
         # Kept as the checkpoint's Conv3d so tensor names and shapes load as they are.
         self.proj = nn.Conv3d(
-            config.in_channels, config.hidden_size, (t, p, p), (t, p, p), bias=False
+            config.in_channels, config.hidden_size, (t, p, p), (t, p, p), bias=bias
         )
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # [N, C * T * P * P] -> [N, hidden]; the kernel covers the whole patch.
         weight = self.proj.weight
-        return F.linear(pixel_values.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+        flat = weight.reshape(weight.shape[0], -1)
+        return F.linear(pixel_values.to(weight.dtype), flat, self.proj.bias)
 
 
 class VisionAttention(nn.Module):

@@ -77,6 +77,8 @@ class VisionConfig:
     num_position_embeddings: int  # the learned position grid, side x side
     deepstack_visual_indexes: tuple[int, ...]  # blocks whose output a deepstack merger takes
     rope_theta: float = 10000.0
+    # A video's temporal positions step by frame index (not Qwen2.5-VL's seconds): None.
+    tokens_per_second: None = None
 
     @property
     def head_dim(self) -> int:

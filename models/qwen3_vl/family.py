@@ -10,22 +10,17 @@ vision.py): one cache entry per item, its level count in the wire header's shape
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from functools import cached_property
 
 import numpy as np
 import torch
 
 from models.attention import AttentionBackend
-from models.checkpoint import weights_fingerprint
 from models.family import EmbeddingMismatch, LoadedEmbedding
 from models.media import MMFeature
-from models.qwen2_vl.config import load_processor_configs
 from models.qwen2_vl.evs import POSITION_CHANNELS, split_positions
 from models.qwen2_vl.family import MRopeState, Qwen2VLFamily
-from models.qwen2_vl.processing import DEFAULT_MAX_IMAGE_PIXELS
 from models.qwen2_vl.rope import MediaSpan
-from models.qwen2_vl.vision import VISION_TENSORS
 from models.qwen3_vl.config import ModelArchConfig, load_arch_config
 from models.qwen3_vl.language_model import Qwen3LanguageModel
 from models.qwen3_vl.processing import IMAGE_DEFAULTS, VIDEO_DEFAULTS, Qwen3MediaProcessor
@@ -137,37 +132,23 @@ class DeepstackState(MRopeState):
 
 class Qwen3VLFamily(Qwen2VLFamily):
     architectures = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+    embedding_code_version = EMBEDDING_CODE_VERSION
+    processor_defaults = (IMAGE_DEFAULTS, VIDEO_DEFAULTS)
 
     @cached_property
     def arch(self) -> ModelArchConfig:  # type: ignore[override]
         return load_arch_config(self.path)
 
-    def processor(self, max_image_pixels: int | None = None) -> Qwen3MediaProcessor:
-        o = self.options
-        limits = {"max_frames": o.max_video_frames, "max_video_seconds": o.max_video_seconds}
-        tokens = self.arch.tokens
-        return Qwen3MediaProcessor.from_checkpoint(
-            self.path,
-            self.tokenizer().encode,
-            (tokens.vision_start_token_id, tokens.video_token_id, tokens.vision_end_token_id),
-            max_image_pixels=max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS,
-            video_pruning_rate=self.video_pruning_rate,
-            **{k: v for k, v in limits.items() if v is not None},
-        )
+    @property
+    def video_markers(self) -> tuple[int, int, int]:
+        """<|vision_start|>, <|video_pad|>, <|vision_end|>: a video frame's run in the prompt."""
+        t = self.arch.tokens
+        return t.vision_start_token_id, t.video_token_id, t.vision_end_token_id
 
-    def fingerprint(self, dtype: torch.dtype) -> str:
-        image, video = load_processor_configs(self.path, IMAGE_DEFAULTS, VIDEO_DEFAULTS)
-        settings = {
-            "code": EMBEDDING_CODE_VERSION,
-            "family": "qwen3_vl",
-            "dtype": str(dtype).removeprefix("torch."),
-            "vision": asdict(self.arch.vision),
-            "image": asdict(image),
-            "video": asdict(video),
-            # Pruned and unpruned outputs of one video differ: every role must agree on q.
-            "video_pruning_rate": self.video_pruning_rate,
-        }
-        return weights_fingerprint(self.path, VISION_TENSORS, settings)
+    def make_processor(self, **settings) -> Qwen3MediaProcessor:  # type: ignore[override]
+        return Qwen3MediaProcessor.from_checkpoint(
+            self.path, self.tokenizer().encode, self.video_markers, **settings
+        )
 
     def load_tower(self, dtype: torch.dtype, device: torch.device) -> VisionTower:  # type: ignore[override]
         return VisionTower.from_checkpoint(self.path, self.arch.vision, dtype, device)
@@ -181,12 +162,11 @@ class Qwen3VLFamily(Qwen2VLFamily):
         )
 
     def model_state(self, model) -> DeepstackState:
-        tokens = self.arch.tokens
         return DeepstackState(
             model,
             self.text.hidden_size,
             self.arch.vision.spatial_merge_size,
             self.arch.vision.num_levels,
             self.video_pruning_rate,
-            (tokens.vision_start_token_id, tokens.video_token_id, tokens.vision_end_token_id),
+            self.video_markers,
         )

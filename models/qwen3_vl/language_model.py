@@ -30,6 +30,7 @@ from models.checkpoint import CheckpointError, assign_lm_weights, load_tensors
 from models.layers import (
     DecoderWeights,
     GatedMLP,
+    PreNormDecoderLayer,
     RMSNorm,
     apply_rotary_tables,
     describe_merged_decoder,
@@ -145,7 +146,7 @@ class SparseMoE(nn.Module):
         return self.experts(x, top_index, top_weight.to(logits.dtype))
 
 
-class Qwen3DecoderLayer(nn.Module):
+class Qwen3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: TextConfig, layer_idx: int, backend: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -157,21 +158,13 @@ class Qwen3DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos, sin, attn_metadata: Any) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata)
-            return x + self.mlp(self.post_attention_layernorm(x))
-        # Inference: residuals added in place into each branch's fresh output.
-        x = self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata).add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
-
 
 class Qwen3LanguageModel(nn.Module):
     """The LM of Qwen3-VL and Qwen3-VL-MoE: embeddings, decoder, final norm, LM head."""
 
     requires_raw_input_tokens = False
     supports_realtime = False
-    supports_multimodal_pruning = False
+    supports_multimodal_pruning = True  # EVS: its model state strips position channels
 
     def __init__(self, config: TextConfig, attn_backend: AttentionBackend, num_levels: int = 1):
         super().__init__()
@@ -277,13 +270,9 @@ class Qwen3LanguageModel(nn.Module):
         cos, sin = rotary_tables(*self.rotary(positions, x.dtype))
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_metadata)
-            if deepstack is not None and i < deepstack[1].shape[0]:
+            if deepstack is not None and i < len(deepstack[1]):
                 index, levels = deepstack
-                x = (
-                    x.index_add(0, index, levels[i])
-                    if torch.is_grad_enabled()
-                    else (x.index_add_(0, index, levels[i]))
-                )
+                x = x.index_add(0, index, levels[i])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ one deepstack level per `deepstack_visual_indexes` block.
 Against the Qwen2-VL tower (models/qwen2_vl/vision.py, whose attention, rotary and packed
 segments it reuses):
 
-- 16-pixel patches through a Conv3d with a bias;
+- 16-pixel patches through a Conv3d with a bias (Qwen2-VL's PatchEmbed, bias on);
 - a learned position embedding on a side x side grid, resampled bilinearly (corners aligned)
   to each item's patch grid and added to the patch embeddings;
 - LayerNorm blocks with a plain fc1 / fc2 MLP, full attention within each frame;
@@ -31,25 +31,13 @@ from models.qwen2_vl.vision import (
     _ACTIVATIONS,
     VISION_TENSORS,
     GridTHW,
+    PatchEmbed,
     VisionAttention,
     _Segments,
     checked_grids,
     rotary_2d,
 )
 from models.qwen3_vl.config import VisionConfig
-
-
-class PatchEmbed(nn.Module):
-    def __init__(self, config: VisionConfig):
-        super().__init__()
-        t, p = config.temporal_patch_size, config.patch_size
-        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, (t, p, p), (t, p, p))
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        # [N, C * T * P * P] -> [N, hidden]: the kernel covers the whole patch.
-        weight = self.proj.weight
-        flat = weight.reshape(weight.shape[0], -1)
-        return F.linear(pixel_values.to(weight.dtype), flat, self.proj.bias)
 
 
 class VisionMLP(nn.Module):
@@ -99,7 +87,7 @@ class VisionTower(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
         self.config = config
-        self.patch_embed = PatchEmbed(config)
+        self.patch_embed = PatchEmbed(config, bias=True)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config, postshuffle=False)

@@ -16,7 +16,7 @@ model's). The same (arch, size, seed) always gives the same bytes on the CPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,9 +26,10 @@ from models.checkpoint import read_header, weight_map
 from models.qwen2_vl.vision import VISION_TENSORS
 from models.registry import arch_by_name
 from models.testing.qwen_files import (
-    INIT_STD,
     SPECIAL_TOKENS,
     processor_settings,
+    random_draw,
+    start_checkpoint,
     train_tokenizer,
     write_json,
     write_weights,
@@ -189,13 +190,7 @@ def make_checkpoint(
         return make_qwen3_vl_checkpoint(out_dir, arch, size, seed, **overrides)
     if module != "models.qwen2_vl":
         raise ValueError(f"make-model writes no {arch!r} checkpoints (family {family})")
-    if size not in SHAPES:
-        raise ValueError(f"size must be one of {sorted(SHAPES)}, got {size!r}")
-    shape = replace(SHAPES[size], **overrides)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty")
+    shape, out = start_checkpoint(out_dir, SHAPES, size, overrides)
     tokenizer = train_tokenizer((shape.tokenizer_vocab or shape.vocab_size) - len(SPECIAL_TOKENS))
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     write_json(out / "config.json", _config(arch, shape, ids))
@@ -203,7 +198,7 @@ def make_checkpoint(
     write_weights(
         out,
         _tensor_shapes(arch, shape),
-        _random_draw(seed, device),
+        random_draw(seed, device),
         getattr(torch, shape.dtype),
         shape.max_shard_bytes,
     )
@@ -388,19 +383,3 @@ def _tensor_shapes(arch: str, s: Shape) -> dict[str, tuple[int, ...]]:
     if arch == "qwen2_vl":
         shapes["visual.merger.ln_q.bias"] = (e,)
     return shapes
-
-
-def _random_draw(seed: int, device: str = "cpu"):
-    """draw(name, shape) for write_weights: N(0, INIT_STD) weights, norm scales near one (biases
-    near zero), not exactly, so a swapped tensor shows; one generator drawn in name order, so
-    the same (arch, size, seed) gives the same bytes (on the CPU; `device` cuda draws a 7B
-    model's in seconds, other bytes)."""
-    gen = torch.Generator(device).manual_seed(seed)
-
-    def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if "norm" in name or "ln_q" in name:
-            t = torch.rand(shape, generator=gen, device=device) * 0.4
-            return (t + (0.8 if name.endswith("weight") else -0.2)).cpu()
-        return (torch.randn(shape, generator=gen, device=device) * INIT_STD).cpu()
-
-    return draw

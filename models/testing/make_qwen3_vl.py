@@ -12,7 +12,7 @@ hidden].
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,8 @@ from models.testing.qwen_files import (
     SPECIAL_TOKENS,
     generation_config,
     processor_settings,
+    random_draw,
+    start_checkpoint,
     tokenizer_config,
     train_tokenizer,
     write_json,
@@ -112,20 +114,18 @@ SHAPES: dict[str, Qwen3Shape] = {
 def make_qwen3_vl_checkpoint(
     out_dir: str | Path, arch: str, size: str = "tiny", seed: int = 0, **overrides: Any
 ) -> Path:
-    if size not in SHAPES:
-        raise ValueError(f"size must be one of {sorted(SHAPES)}, got {size!r}")
-    shape = replace(SHAPES[size], **overrides)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty")
+    shape, out = start_checkpoint(out_dir, SHAPES, size, overrides)
     tokenizer = train_tokenizer(shape.vocab_size - len(SPECIAL_TOKENS))
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     moe = arch == "qwen3_vl_moe"
     write_json(out / "config.json", _config(arch, shape, ids, moe))
     write_json(out / "generation_config.json", generation_config(ids))
     write_weights(
-        out, _tensor_shapes(shape, moe), _random_draw(seed), torch.float32, shape.max_shard_bytes
+        out,
+        _tensor_shapes(shape, moe),
+        random_draw(seed, std_of=_std_of),
+        torch.float32,
+        shape.max_shard_bytes,
     )
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     write_json(out / "tokenizer_config.json", tokenizer_config(ids))
@@ -289,19 +289,7 @@ def _tensor_shapes(s: Qwen3Shape, moe: bool) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _random_draw(seed: int):
-    """draw(name, shape) for write_weights, in name order from one generator."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if "norm" in name:
-            # Scales near one (biases near zero), not exactly, so a swapped tensor shows.
-            t = torch.rand(shape, generator=gen) * 0.4
-            return t + (0.8 if name.endswith("weight") else -0.2)
-        if name.endswith("mlp.gate.weight"):
-            # A sharper router than N(0, INIT_STD): tokens prefer clear experts, so the
-            # routing (and comparisons with the reference) does not hinge on near ties.
-            return torch.randn(shape, generator=gen) * 0.5
-        return torch.randn(shape, generator=gen) * INIT_STD
-
-    return draw
+def _std_of(name: str) -> float:
+    # A sharper router than N(0, INIT_STD): tokens prefer clear experts, so the routing (and
+    # comparisons with the reference) does not hinge on near ties.
+    return 0.5 if name.endswith("mlp.gate.weight") else INIT_STD

@@ -10,6 +10,7 @@ import json
 import math
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +192,37 @@ def processor_settings(
         "rescale_factor": 1 / 255,
         "temporal_patch_size": 2,
     }
+
+
+def start_checkpoint(out_dir: str | Path, shapes: dict[str, Any], size: str, overrides: dict):
+    """(the size's shape with `overrides` in place, `out_dir` created): FileExistsError when
+    the directory holds anything, ValueError for a size `shapes` does not list."""
+    if size not in shapes:
+        raise ValueError(f"size must be one of {sorted(shapes)}, got {size!r}")
+    shape = replace(shapes[size], **overrides)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty")
+    return shape, out
+
+
+def random_draw(
+    seed: int, device: str = "cpu", std_of: Callable[[str], float] = lambda name: INIT_STD
+) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
+    """draw(name, shape) for write_weights: N(0, std_of(name)) weights, norm scales near one
+    (biases near zero), not exactly, so a swapped tensor shows; one generator drawn in name
+    order, so the same (arch, size, seed) gives the same bytes (on the CPU; `device` cuda
+    draws a 7B model's in seconds, other bytes)."""
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if "norm" in name or "ln_q" in name:
+            t = torch.rand(shape, generator=gen, device=device) * 0.4
+            return (t + (0.8 if name.endswith("weight") else -0.2)).cpu()
+        return (torch.randn(shape, generator=gen, device=device) * std_of(name)).cpu()
+
+    return draw
 
 
 def write_weights(

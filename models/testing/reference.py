@@ -120,7 +120,7 @@ class ReferenceModel:
         expanded, runs = expand_media(
             ids,
             (tokens.image_token_id, tokens.video_token_id),
-            [m.grid.run or m.grid.num_tokens for m in processed],
+            [m.grid.expansion for m in processed],
         )
         merge = self.arch.vision.spatial_merge_size
         spans = []
@@ -149,7 +149,7 @@ class ReferenceModel:
             len(prepared.token_ids),
             prepared.spans,
             vision.spatial_merge_size,
-            getattr(vision, "tokens_per_second", None),
+            vision.tokens_per_second,
         )
 
     @torch.inference_mode()
