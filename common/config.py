@@ -140,6 +140,11 @@ def _check_metrics_port(metrics_port: int, listen: str) -> None:
             )
 
 
+def _check_fraction(key: str, value: float) -> None:
+    if not 0 < value <= 1:
+        raise ConfigError(key, f"must be in (0, 1], got {value}")
+
+
 def _check_positive(key: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(key, f"must be > 0, got {value}")
@@ -433,6 +438,9 @@ class EncoderConfig:
     listen: str = "127.0.0.1:50061"
     advertise: str | None = None
     device: Device = "auto"
+    # On a GPU: the fraction of its memory the encoder may hold (torch's allocator is capped
+    # there); an LM worker that `epd up` starts on the same GPU leaves it out of its share.
+    gpu_memory_utilization: float = 0.1
     # On SIGTERM: how long in-flight encodes may take to finish before the worker exits.
     drain_timeout_seconds: float = 30.0
     # Cross-request batching: one tower forward takes up to this many items and this many
@@ -470,6 +478,7 @@ class EncoderConfig:
         if self.advertise is not None:
             parse_address(self.advertise, "advertise")
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)
+        _check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         _check_positive("max_audio_seconds", self.max_audio_seconds)
         _check_positive("max_streams", self.max_streams)
         for key in ("max_batch_items", "max_batch_tokens", "max_image_pixels", "max_video_frames"):
@@ -509,10 +518,17 @@ class LMConfig:
     max_num_batched_tokens: int = 2048
     # Context length; None: the checkpoint's max_position_embeddings.
     max_model_len: int | None = None
-    # Paged KV cache: tokens per block, and the bytes for all blocks (0: auto, 90% of the free
-    # GPU memory after loading on CUDA, 1 GiB on the CPU).
+    # Paged KV cache: tokens per block, and the bytes for all blocks (0: auto, what the memory
+    # plan leaves, lm_worker/memory_plan.py: on a GPU the worker's share of it less the weights,
+    # the largest step's activations and the decode graphs, all measured at start-up; on a CPU
+    # the same over host memory, at most 1 GiB).
     block_size: int = 16
     kv_cache_bytes: ByteSize = _AUTO_SIZE
+    # The fraction of the device (a CPU: of host memory) the LM worker and the roles beside it
+    # on the same device may hold, and the part of it other roles there declared (`epd up` sets
+    # it to its local encoders' encoder.gpu_memory_utilization when they share the GPU).
+    gpu_memory_utilization: float = 0.9
+    gpu_memory_reserved: float = 0.0
     enable_prefix_caching: bool = True
     # Decode in CUDA graphs: auto (on with CUDA), on (CUDA required), off.
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
@@ -622,6 +638,13 @@ class LMConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        _check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
+        if not 0 <= self.gpu_memory_reserved < self.gpu_memory_utilization:
+            raise ConfigError(
+                "gpu_memory_reserved",
+                f"must be in [0, gpu_memory_utilization {self.gpu_memory_utilization}), got "
+                f"{self.gpu_memory_reserved}: nothing would be left for the LM worker",
+            )
         _check_positive("embedding_timeout_seconds", self.embedding_timeout_seconds)
         _check_positive("step_timeout_seconds", self.step_timeout_seconds)
         _check_positive("drain_timeout_seconds", self.drain_timeout_seconds)

@@ -75,7 +75,26 @@ def load_tower(config: ClusterConfig) -> tuple[Tower, ServedModel]:
     a thread)."""
     served = resolve_model(config)
     device = resolve_device(config.encoder.device, "encoder.device")
+    share = config.encoder.gpu_memory_utilization
+    if device.type == "cuda":  # what LM workers beside it leave out of their share
+        torch.cuda.set_per_process_memory_fraction(share, device)
     processor = served.family.processor(config.encoder.max_image_pixels)
-    tower = Tower(processor, served.family.load_encoder(served.dtype, device))
-    tower.warm_up()
+    try:
+        tower = Tower(processor, served.family.load_encoder(served.dtype, device))
+        tower.warm_up()
+    except torch.OutOfMemoryError as e:
+        total = torch.cuda.get_device_properties(device).total_memory
+        raise RuntimeError(
+            f"the encoder does not fit its share of {device}: encoder.gpu_memory_utilization "
+            f"{share} is {share * total / 2**30:.2f} GiB ({e})"
+        ) from e
+    if device.type == "cuda":
+        logger.info(
+            "encoder on %s: %.2f GiB held after warm-up, of its share %.2f GiB "
+            "(encoder.gpu_memory_utilization %s)",
+            device,
+            torch.cuda.memory_allocated(device) / 2**30,
+            share * torch.cuda.get_device_properties(device).total_memory / 2**30,
+            share,
+        )
     return tower, served

@@ -290,6 +290,9 @@ class LocalCluster:
                 lm_workers=tuple(r.address for r in self.lm_workers),
             ),
         )
+        if _share_one_gpu(self.config):
+            encoders = len(self.encoders) if self.auto is None else self.auto[1]
+            self.config = split_gpu_memory(self.config, encoders, len(self.lm_workers))
         config_path = self.config_path = self.run_dir / "cluster.yaml"
         dump_config(self.config, config_path)
 
@@ -669,3 +672,39 @@ def run_cluster(cluster: LocalCluster) -> int:
         cluster.stop()
         print("cluster stopped", file=sys.stderr, flush=True)
     return code
+
+
+def _share_one_gpu(config: ClusterConfig) -> bool:
+    """Whether the encoders and LM workers this launcher starts land on the same GPU (each
+    role's `cuda` is the first visible device)."""
+    if "cpu" in (config.encoder.device, config.lm.device):
+        return False
+    import torch  # (loaded already: resolve_model's families import it)
+
+    return torch.cuda.is_available()
+
+
+def split_gpu_memory(config: ClusterConfig, encoders: int, lm_workers: int) -> ClusterConfig:
+    """One GPU for every role: each encoder holds encoder.gpu_memory_utilization of it, and the
+    LM workers share what lm.gpu_memory_utilization leaves, equally; each LM worker's
+    lm.gpu_memory_reserved is the rest (lm_worker/memory_plan.py), so the split follows the
+    configuration, not the order the roles start in."""
+    lm = config.lm
+    held = lm.gpu_memory_reserved + encoders * config.encoder.gpu_memory_utilization
+    each = (lm.gpu_memory_utilization - held) / lm_workers
+    if each <= 0.01:
+        raise LaunchError(
+            f"one GPU for {encoders} encoder(s) at encoder.gpu_memory_utilization "
+            f"{config.encoder.gpu_memory_utilization} and {lm_workers} LM worker(s) leaves "
+            f"them {each:.3f} of it each, within lm.gpu_memory_utilization "
+            f"{lm.gpu_memory_utilization}: lower the encoders' share or start fewer roles"
+        )
+    reserved = round(lm.gpu_memory_utilization - each, 6)
+    logger.info(
+        "one GPU: %d encoder(s) hold %s of it each, %d LM worker(s) %.3f each",
+        encoders,
+        config.encoder.gpu_memory_utilization,
+        lm_workers,
+        each,
+    )
+    return dataclasses.replace(config, lm=dataclasses.replace(lm, gpu_memory_reserved=reserved))

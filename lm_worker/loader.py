@@ -25,13 +25,20 @@ from lm_worker.cpu_kernels import choose_linear_kernel, linear_layers, use_kerne
 from lm_worker.engine import Emit, LMEngine
 from lm_worker.inputs import ready_tokens
 from lm_worker.kv_connector import KVConnector, NoKVConnector, SharedKVConnector
+from lm_worker.memory_plan import (
+    MemoryPlan,
+    PeakMeter,
+    Usage,
+    device_memory,
+    module_bytes,
+    plan_kv_cache,
+)
 from lm_worker.model_runner import ModelRunner
 from lm_worker.scheduler import Scheduler
 from models import ModelFamily
+from models.family import TextDims
 
 logger = logging.getLogger(__name__)
-
-CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def build_engine(
@@ -44,8 +51,8 @@ def build_engine(
     kv_store: KVStore | None = None,
     kv_direct: tuple[KVSender, KVInbox] | None = None,
 ) -> LMEngine:
-    """Load the family's LM, size the KV cache, capture graphs. `pad_decodes` is for tests
-    (graph-shaped inputs run eagerly on the CPU)."""
+    """Load the family's LM, plan its memory (the KV cache's size), capture graphs.
+    `pad_decodes` is for tests (graph-shaped inputs run eagerly on the CPU)."""
     device = resolve_device(lm.device, "lm.device")
     use_graphs = lm.cuda_graphs == "on" or (lm.cuda_graphs == "auto" and device.type == "cuda")
     if use_graphs and device.type != "cuda":
@@ -72,23 +79,10 @@ def build_engine(
     huge = device.type == "cpu" and lm.cpu_huge_pages
     if huge:  # after the kernel choice: the dense weights it dropped are not copied
         _weights_on_huge_pages(model)
-    num_blocks = _num_kv_blocks(lm, family, dtype, device)
-    max_model_len = _fit_context(lm, max_model_len, num_blocks)
-    attention.allocate(
-        text.num_layers, num_blocks, text.num_kv_heads, text.head_dim, dtype, device, huge
-    )
-    logger.info(
-        "LM on %s (%s, %s linear): %d KV blocks of %d tokens (%.2f GiB), context %d, "
-        "CUDA graphs %s",
-        device,
-        dtype,
-        kernel,
-        num_blocks,
-        lm.block_size,
-        attention.kv_cache.nbytes / 2**30,
-        max_model_len,
-        "on" if use_graphs else "off",
-    )
+    # The null block alone until the plan sizes the cache: the profiling steps read and write
+    # only it.
+    kv_shape = (text.num_kv_heads, text.head_dim, dtype, device, huge)
+    attention.allocate(text.num_layers, 1, *kv_shape)
     runner = ModelRunner(
         model,
         attention,
@@ -103,6 +97,28 @@ def build_engine(
         max_graph_batch_size=lm.max_graph_batch_size,
         pad_decodes=pad_decodes,
     )
+    plan = _plan_memory(lm, runner, text, max_model_len)
+    max_model_len = plan.max_model_len
+    attention.allocate(text.num_layers, plan.num_blocks, *kv_shape)
+    free_before_graphs = device_memory(device).free if use_graphs else 0
+    runner.capture_graphs()
+    logger.info(
+        "LM on %s (%s, %s linear), CUDA graphs %s; memory plan: %s",
+        device,
+        dtype,
+        kernel,
+        "on" if use_graphs else "off",
+        plan.summary(),
+    )
+    if use_graphs:
+        left = device_memory(device).free
+        logger.info(
+            "after graph capture: %.2f GiB free on %s (the graphs took %.2f GiB, planned %.2f)",
+            left / 2**30,
+            device,
+            (free_before_graphs - left) / 2**30,
+            plan.usage.graphs / 2**30,
+        )
     runner.dummy_run(1)  # warm-up: kernels and allocator settle before the first request
     if lm.batch_invariant and device.type == "cpu":
         why = why_not_fused(model, attention)
@@ -128,7 +144,7 @@ def build_engine(
             inbox=inbox,
             layerwise=lm.kv_send_layerwise,
         )
-    blocks = BlockManager(num_blocks, lm.block_size, lm.enable_prefix_caching)
+    blocks = BlockManager(plan.num_blocks, lm.block_size, lm.enable_prefix_caching)
     scheduler = Scheduler(
         blocks, lm.max_num_seqs, lm.max_num_batched_tokens, ready_tokens=ready_tokens, kv=kv
     )
@@ -176,31 +192,6 @@ def _weights_on_huge_pages(model: torch.nn.Module) -> None:
     )
 
 
-def _fit_context(lm: LMConfig, max_model_len: int, num_blocks: int) -> int:
-    """The context length the KV cache can hold for one sequence alone. A request longer than
-    the cache could never finish: it would preempt itself forever and block every request
-    queued behind it. An explicit lm.max_model_len that does not fit is a configuration error;
-    the default context is cut to what fits, and the log says so."""
-    capacity = (num_blocks - 1) * lm.block_size  # block 0 is the null block
-    if max_model_len <= capacity:
-        return max_model_len
-    if lm.max_model_len is not None:
-        raise RuntimeError(
-            f"lm.max_model_len {max_model_len} does not fit the KV cache: {num_blocks - 1} blocks "
-            f"of {lm.block_size} tokens hold {capacity}; raise lm.kv_cache_bytes or lower "
-            "lm.max_model_len"
-        )
-    if capacity < 2:
-        raise RuntimeError(f"the KV cache holds {capacity} tokens: raise lm.kv_cache_bytes")
-    logger.warning(
-        "the KV cache holds %d tokens, less than the default context %d: the context is %d",
-        capacity,
-        max_model_len,
-        capacity,
-    )
-    return capacity
-
-
 def _choose_cpu_kernel(lm: LMConfig, model: torch.nn.Module) -> str:
     """`lm.cpu_linear`, or (auto) the kernel measured fastest here for this model."""
     if lm.cpu_linear != "auto":
@@ -241,23 +232,34 @@ def _choose_fused_decode(lm: LMConfig, runner: ModelRunner) -> None:
     )
 
 
-def _num_kv_blocks(
-    lm: LMConfig, family: ModelFamily, dtype: torch.dtype, device: torch.device
-) -> int:
-    """KV blocks that fit `lm.kv_cache_bytes` (auto: 90% of the free GPU memory after loading,
-    1 GiB on the CPU)."""
-    text = family.text
-    per_block = PagedAttention.bytes_per_block(
-        text.num_layers, lm.block_size, text.num_kv_heads, text.head_dim, dtype
+def _plan_memory(
+    lm: LMConfig, runner: ModelRunner, text: TextDims, max_model_len: int
+) -> MemoryPlan:
+    """Profile the largest steps, then size the KV cache (lm_worker/memory_plan.py): a prefill
+    chunk of max_num_batched_tokens at the end of a max_model_len sequence (the most keys a
+    chunk attends to), and the largest decode batch the graphs capture. On a CPU the chunk
+    runs without the prefix: its attention tiles the scores, so a prefix adds only its mask
+    (16 MiB at 2048 x 8192), and reading 8k keys took 5 s of a 2-core host's start-up."""
+    device = runner.device
+    chunk = min(lm.max_num_batched_tokens, max_model_len)
+    with PeakMeter(device) as prefill:
+        runner.profile_run(chunk, max_model_len if device.type == "cuda" else chunk)
+    graphs = 0
+    if runner.use_graphs:
+        with PeakMeter(device) as decode:
+            runner.dummy_run(max(runner.graph_sizes))
+        graphs = decode.bytes
+    return plan_kv_cache(
+        device.type,
+        device_memory(device),
+        Usage(module_bytes(runner.model), prefill.bytes, graphs),
+        utilization=lm.gpu_memory_utilization,
+        reserved=lm.gpu_memory_reserved if device.type == "cuda" else 0.0,
+        kv_cache_bytes=int(lm.kv_cache_bytes),
+        block_bytes=PagedAttention.bytes_per_block(
+            text.num_layers, lm.block_size, text.num_kv_heads, text.head_dim, runner.dtype
+        ),
+        block_size=lm.block_size,
+        max_model_len=max_model_len,
+        explicit_len=lm.max_model_len is not None,
     )
-    budget = int(lm.kv_cache_bytes)
-    if budget == 0:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * 0.9)
-        else:
-            budget = CPU_KV_CACHE_BYTES
-    num_blocks = budget // per_block
-    if num_blocks < 2:
-        raise RuntimeError(f"lm.kv_cache_bytes {budget} holds no KV block ({per_block} bytes each)")
-    return num_blocks

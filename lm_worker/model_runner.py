@@ -110,9 +110,14 @@ class ModelRunner:
         self.fused: FusedDecode | None = None
         # lm.batch_invariant: every step through it instead (set by the loader).
         self.invariant: InvariantForward | None = None
+        # Captured by `capture_graphs`, once the KV cache is allocated at its planned size.
         self.graphs: CudaGraphRunner | None = None
-        if use_graphs:
-            assert device.type == "cuda", "CUDA graphs need a CUDA device"
+        self.use_graphs = use_graphs
+        assert not use_graphs or device.type == "cuda", "CUDA graphs need a CUDA device"
+
+    def capture_graphs(self) -> None:
+        """The decode graphs, over the KV cache the attention holds now (their addresses)."""
+        if self.use_graphs:
             self.graphs = CudaGraphRunner(self.buffers, self.dummy_run, self.graph_sizes)
             self.graphs.capture()
 
@@ -305,6 +310,33 @@ class ModelRunner:
             meta,
             intermediate_tensors=None,
         )
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, seq_len: int) -> None:
+        """The memory planner's largest step (lm_worker/memory_plan.py): one prefill chunk of
+        `num_tokens` tokens at the end of a `seq_len`-token sequence (its prefix read from the
+        null block; its keys written there), fed from `dummy_inputs_embeds` as media rows are,
+        and the logits of as many rows as a step samples at most."""
+        b = self.buffers
+        meta = PagedAttentionMetadata(
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
+            num_decodes=0,
+            decode_block_tables=b.decode_block_tables[:0],
+            decode_seq_lens=b.decode_seq_lens[:0],
+            prefill_query_lens=[num_tokens],
+            prefill_seq_lens=[seq_len],
+            prefill_block_tables=[
+                torch.full((-(-seq_len // self.block_size),), NULL_BLOCK, device=self.device)
+            ],
+        )
+        hidden = self.model(
+            b.input_ids[:num_tokens] if self.requires_raw_input_tokens else None,
+            b.positions_view(num_tokens),
+            self.model_state.dummy_inputs_embeds(num_tokens),
+            meta,
+            intermediate_tensors=None,
+        )
+        self.model.compute_logits(hidden[-min(num_tokens, b.decode_seq_lens.shape[0]) :])
 
     @torch.inference_mode()
     def dummy_decode(self, num_seqs: int, fused: FusedDecode | None = None) -> torch.Tensor:

@@ -97,7 +97,7 @@ def test_a_request_outgrowing_the_kv_cache_cannot_stall_the_worker(tiny_checkpoi
 
 
 def test_an_explicit_context_larger_than_the_kv_cache_is_refused(tiny_checkpoint, tiny_ref):
-    with pytest.raises(RuntimeError, match="does not fit the KV cache"):
+    with pytest.raises(RuntimeError, match="not even one request fits"):
         make_engine(
             tiny_checkpoint,
             block_size=8,
