@@ -69,3 +69,24 @@ def test_tower_loads_no_lm_tensors(towers):
     names = set(ours.state_dict())
     assert names == set(load_tensors(ckpt, VISION_TENSORS, "vision"))
     assert not any(n.startswith(("layers.", "embed_tokens", "lm_head")) for n in names)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segment_attention_needs_no_mask(dtype):
+    """The towers' attention within frames and windows (`_Segments`: segments of one length
+    batched, no mask) equals one attention over all tokens with a dense block-diagonal mask,
+    the way transformers' eager path builds it."""
+    from models.qwen2_vl.vision import _Segments
+
+    lengths = [16, 9, 16, 4, 9, 16, 1]
+    n, heads, head_dim = sum(lengths), 4, 80
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, heads, head_dim, generator=gen).to(dtype) for _ in range(3))
+    ours = _Segments(lengths).attend(q, k, v)
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask = segment[:, None] == segment[None, :]
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(0, 1) for t in (q, k, v)), attn_mask=mask
+    ).transpose(0, 1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours, dense, atol=tol, rtol=tol)
