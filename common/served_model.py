@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,8 @@ from models.demo import BUILTIN_DIR
 BENCH_ARCH = "qwen2_5_vl"
 BENCH_SIZE = "small"
 BENCH_SEED = 0
+BENCH_SIZES = ("small", "3b", "7b")
+PROGRESS_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -64,17 +68,20 @@ def builtin_model() -> Path:
     return BUILTIN_DIR
 
 
-def bench_model_dir(root: str | Path | None = None) -> Path:
-    """Where the benchmarks' random model lives under the cache directory (it may not exist
-    yet)."""
+def bench_model_dir(root: str | Path | None = None, size: str = BENCH_SIZE) -> Path:
+    """Where the benchmarks' random model of `size` lives under the cache directory (it may not
+    exist yet)."""
     from models.testing.make import FORMAT_VERSION
 
-    name = f"{BENCH_ARCH}-{BENCH_SIZE}-seed{BENCH_SEED}-v{FORMAT_VERSION}"
+    name = f"{BENCH_ARCH}-{size}-seed{BENCH_SEED}-v{FORMAT_VERSION}"
     return Path(root or cache_dir()) / "models" / name
 
 
-def ensure_bench_model(root: str | Path | None = None) -> Path:
-    """The benchmarks' random model's directory, written first if missing.
+def ensure_bench_model(
+    root: str | Path | None = None, size: str = BENCH_SIZE, device: str = "cpu"
+) -> Path:
+    """The benchmarks' random model of `size` (small, or Qwen2.5-VL-3b / 7b's shapes), written
+    first if missing; `device` draws its weights (cuda: a 7B model's in seconds).
 
     Written into a temporary sibling directory and renamed into place, so a reader never sees
     a half-written checkpoint and processes racing to write it do not corrupt it (the first
@@ -84,13 +91,25 @@ def ensure_bench_model(root: str | Path | None = None) -> Path:
     # random-checkpoint writer.
     from models.testing.make import make_checkpoint
 
-    final = bench_model_dir(root)
+    final = bench_model_dir(root, size)
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    print(f"writing the random {size} model to {final} (first use)", flush=True)
+    started = time.monotonic()
+    done = threading.Event()
+
+    def progress() -> None:  # a 7b model is 16 GB: minutes on a CPU
+        while not done.wait(PROGRESS_SECONDS):
+            written = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
+            elapsed = time.monotonic() - started
+            print(f"  {written / 1e9:.1f} GB written in {elapsed:.0f} s", flush=True)
+
+    reporter = threading.Thread(target=progress, daemon=True)
+    reporter.start()
     try:
-        make_checkpoint(tmp, BENCH_ARCH, BENCH_SIZE, BENCH_SEED)
+        make_checkpoint(tmp, BENCH_ARCH, size, BENCH_SEED, device=device)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -98,5 +117,8 @@ def ensure_bench_model(root: str | Path | None = None) -> Path:
                 raise
             # Another process finished first; its copy is identical.
     finally:
+        done.set()
+        reporter.join()
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f"  written in {time.monotonic() - started:.0f} s", flush=True)
     return final

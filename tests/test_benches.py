@@ -61,8 +61,51 @@ def test_bench_encoder(tiny_checkpoint, redis_server):
         "1",
         "--concurrency",
         "2",
+        "--device",
+        "cpu",
+        "--mfu-sizes",
+        "224",
+        "--mfu-batch",
+        "2",
     )
     assert summary["batched_vs_one_at_a_time"] > 0
+    # The tower's forward alone on two 224 px images: 16 x 16 patches each.
+    assert summary["device"] == "cpu" and summary["mfu"]["matmul_peak_tflops"] > 0
+    (row,) = summary["mfu"]["sizes"]
+    assert row["side"] == 224 and row["grid_thw"] == [1, 16, 16] and row["batch"] == 2
+    assert row["images_per_second"] > 0 and row["gflops_per_image"] > 0
+    assert 0 < row["mfu"] <= 1
+
+
+@pytest.mark.parametrize("grid", [(1, 16, 16), (1, 10, 14), (2, 6, 8)])
+def test_bench_encoder_vision_flops_match_a_flop_counter(tiny_checkpoint, grid):
+    """`vision_flops` against torch's FlopCounterMode over the tiny tower's forward: the 16 x 16
+    grid's windows are whole, the 10 x 14 one's are cut at the edges, (2, 6, 8) has two frames.
+    Both count only matrix products, so they agree exactly; the norms, activations, rotary
+    embedding, softmax and bias adds neither counts. NOTE: attention runs torch's math SDPA
+    here: the counter has no formula for the CPU's fused kernel and would count it as 0."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from epd.bench.encoder import vision_flops
+    from models import load_family
+
+    family = load_family(tiny_checkpoint)
+    tower = family.load_encoder(torch.float32, torch.device("cpu")).tower
+    t, h, w = grid
+    pixels = torch.randn(t * h * w, tower.patch_embed.proj.weight[0].numel())
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        tower.embed_multimodal(pixels, [grid])
+    assert counter.get_total_flops() > 0
+    assert vision_flops(tower, grid) == pytest.approx(counter.get_total_flops(), rel=1e-6)
+
+
+@pytest.mark.parametrize("bench_name", ["encoder", "serve", "lm"])
+def test_bench_size_is_not_with_model(tiny_checkpoint, bench_name):
+    args = ("bench", bench_name, "--model", str(tiny_checkpoint), "--size", "3b")
+    result = subprocess.run(epd_command(*args), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "--size" in result.stderr, result.stderr[-2000:]
 
 
 def test_bench_lm(tiny_checkpoint):
@@ -107,18 +150,69 @@ def test_bench_lm(tiny_checkpoint):
     # Each of the 23 decode steps timed right after a read of its bytes.
     assert summary["paired_steps"] == 23 and summary["batch1_vs_roofline"] > 0
     assert summary["hf_batch1_vs_roofline"] > 0
-    assert summary["dtype"] == "float32"
+    assert summary["dtype"] == "float32"  # the checkpoint's
+    assert [row["batch"] for row in summary["decode"]] == [1, 8]  # the default on a CPU
 
     # In bf16 (the float32 run above is the comparison): the step's weights, with no packed
     # fp32 copies, are half the bytes, so twice the roofline at the same read rate.
     args = ("lm", "--model", str(tiny_checkpoint), "--tokens", "8", "--streams", "2")
     bf16 = bench(
-        *args, "--hf-batch", "2", "--rounds", "1", "--dtype", "bfloat16", "--few-streams", "0"
+        *args,
+        "--hf-batch",
+        "2",
+        "--rounds",
+        "1",
+        "--dtype",
+        "bfloat16",
+        "--few-streams",
+        "0",
+        "--decode-batches",
+        "",
     )
     assert bf16["dtype"] == "bfloat16" and bf16["batch1_ours_tps"] > 0
-    assert "few_streams" not in bf16
+    assert "few_streams" not in bf16 and "decode" not in bf16
     assert bf16["batch1_hf_tps"] > 0 and bf16["streams_vs_hf_batch"] > 0
     assert bf16["weight_bytes"] * 2 == summary["weight_bytes"]
+
+
+def test_bench_lm_decode_batches(tiny_checkpoint):
+    """Our engine's steady decode at batches 1 and 4, against the roofline of the bytes a step
+    reads: the weights once, and the KV of every sequence's context."""
+    tokens = 8
+    summary = bench(
+        "lm",
+        "--model",
+        str(tiny_checkpoint),
+        "--tokens",
+        str(tokens),
+        "--streams",
+        "2",
+        "--hf-batch",
+        "2",
+        "--few-streams",
+        "0",
+        "--rounds",
+        "1",
+        "--prefill-tokens",
+        "",
+        "--decode-batches",
+        "1,4",
+    )
+    text = json.loads((tiny_checkpoint / "config.json").read_text())["text_config"]
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    # K and V, every layer, in fp32.
+    kv_per_token = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 4
+    rows = summary["decode"]
+    assert [row["batch"] for row in rows] == [1, 4]
+    for row in rows:
+        # One prefill step (4 x 64 prompt tokens fit its budget), then every decode step is
+        # timed: the i-th reads 64 + i tokens a sequence, 64 + tokens / 2 on average.
+        assert row["steps"] == tokens - 1
+        assert row["kv_bytes"] == row["batch"] * (64 + tokens // 2) * kv_per_token
+        assert row["step_bytes"] == summary["weight_bytes"] + row["kv_bytes"]
+        assert row["tps"] > 0 and row["step_ms"] > 0
+        assert row["roofline_tps"] > 0 and row["vs_roofline"] > 0
+    assert summary["decode_read_probe"] == "sum" and "prefill" not in summary
 
 
 @pytest.mark.timeout(300)

@@ -13,7 +13,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import common.served_model
 from common.served_model import ensure_bench_model
 from epd.cli import main as epd_main
 from models import CheckpointError, load_family
@@ -264,10 +263,9 @@ def test_cli_make_model(tmp_path, capsys):
 
 
 def test_bench_model_written_once_atomically(tmp_path, monkeypatch):
-    monkeypatch.setattr(common.served_model, "BENCH_SIZE", "tiny")
     results: list[Path] = []
     threads = [
-        threading.Thread(target=lambda: results.append(ensure_bench_model(tmp_path)))
+        threading.Thread(target=lambda: results.append(ensure_bench_model(tmp_path, "tiny")))
         for _ in range(3)
     ]
     for t in threads:
@@ -278,6 +276,6 @@ def test_bench_model_written_once_atomically(tmp_path, monkeypatch):
     path = results[0]
     assert {p.name for p in path.iterdir()} == FILES
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary leftovers
-    assert ensure_bench_model(tmp_path) == path
+    assert ensure_bench_model(tmp_path, "tiny") == path
     monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path / "env"))
-    assert ensure_bench_model().parent.parent == tmp_path / "env"
+    assert ensure_bench_model(size="tiny").parent.parent == tmp_path / "env"

@@ -13,11 +13,22 @@ Both sides run in this process on the same threads, interleaved round by round:
   jumps within seconds); ours and HF's are the medians of those fractions. The read probes of
   `read_bandwidth` (a sum and GEMVs, torch's and ours, best of 5; on 2 MiB pages as our
   weights are, and a sum on ordinary pages) are printed beside them. A copy reads and writes,
-  so its rate is no limit.
+  so its rate is no limit;
+- decode at batch B (`--decode-batches`, default 1, 8, 32 and 64 on CUDA, 1 and 8 on a CPU):
+  our engine alone runs B sequences at once, and only its steady steps are timed, one by one
+  (`DecodeSteps`: each of the B sequences one token, after all their prefills). Each such
+  step reads the LM weights once and the KV of every sequence's context, so its roofline is
+  B x read bandwidth / (weight bytes + KV bytes), at the rate of `read_bandwidth`'s sum;
+- after the rounds, prefill (`--prefill-tokens`, default 1k, 4k and 16k tokens on CUDA, 512
+  on a CPU): tokens/s against HF's forward, and MFU against the device's measured dense matmul
+  peak.
+`--size` picks the built-in random checkpoint: small (default), or Qwen2.5-VL-3B's or -7B's
+shapes in bf16 (written on first use, drawn on the bench's device: on a GPU in seconds).
 `--batch-invariant` runs a second engine of ours with `lm.batch_invariant` on, in the same
 rounds, and gives its figures as ratios to our default engine's (what batch invariance costs).
 The CPU model and the linear kernel the LM worker chose at start-up are printed with the figures;
-`--dtype bfloat16` runs both sides' weights and compute in bf16 (the roofline counts its bytes).
+both sides' weights and compute run in the checkpoint's dtype, or `--dtype` (the rooflines count
+its bytes).
 The last line is one JSON object with the figures and ratios.
 """
 
@@ -35,12 +46,14 @@ import torch
 import torch.nn.functional as F
 
 from common.config import LMConfig
-from common.served_model import ensure_bench_model
+from epd.bench import add_checkpoint_arguments, bench_checkpoint
 from lm_worker import huge_pages
+from lm_worker.attention import PagedAttention
 from lm_worker.cpu_kernels import gemv, unavailable, weight_bytes
-from lm_worker.engine import LMEngine
+from lm_worker.engine import BadRequest, LMEngine
 from lm_worker.loader import build_engine
 from lm_worker.request import Request
+from lm_worker.scheduler import Scheduler
 from models import SamplingParams, load_family
 from models.checkpoint import DTYPES
 
@@ -59,28 +72,66 @@ def _long_prompt(tokens: int, seed: int, vocab: int) -> list[int]:
 
 
 class Ours:
+    """Our engine on `model_dir`, in `dtype` (None: the checkpoint's), running up to
+    `max_num_seqs` sequences at once (CUDA graphs for each of those batches), with a KV cache of
+    1 GiB or, where more is needed, room for all of them holding `new_tokens` past the bench's
+    prompt, and for one prompt of `longest_prompt` tokens (the context raised to hold it)."""
+
     def __init__(
         self,
         model_dir: Path,
         max_num_seqs: int,
         device: str,
-        dtype: torch.dtype,
+        dtype: torch.dtype | None,
         fused_decode: str = "auto",
         huge_pages: bool = True,
         batch_invariant: bool = False,
+        new_tokens: int = 0,
+        longest_prompt: int = 0,
     ):
+        family = load_family(model_dir)
+        self.dtype = dtype or family.dtype
+        text = family.text
+        # What one token's K and V take across the layers (the cache holds them in `dtype`).
+        self.kv_bytes_per_token = PagedAttention.bytes_per_block(
+            text.num_layers, 1, text.num_kv_heads, text.head_dim, self.dtype
+        )
+        block = LMConfig.block_size
+        blocks = max_num_seqs * -(-(PROMPT_LEN + new_tokens) // block)
+        blocks = max(blocks, -(-(longest_prompt + 1) // block)) + 1  # + the null block
+        context = LMConfig().context_length(text.max_position_embeddings)
         lm = LMConfig(
+            max_model_len=longest_prompt + 1 if longest_prompt >= context else None,
             device=device,
             cpu_fused_decode=fused_decode,
             cpu_huge_pages=huge_pages,
             batch_invariant=batch_invariant,
-            kv_cache_bytes=1 << 30,
+            kv_cache_bytes=max(1 << 30, blocks * block * self.kv_bytes_per_token),
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(2048, max_num_seqs),
+            max_graph_batch_size=max_num_seqs,
         )
-        family = load_family(model_dir)
-        self.engine: LMEngine = build_engine(lm, family, dtype, registry=None)
+        self.engine: LMEngine = build_engine(lm, family, self.dtype, registry=None)
         self.count = 0
+        self.failed: list[str] = []  # errors the engine sent any request's sink
+
+    def _add(self, request: Request) -> None:
+        """As the LM worker's server adds one: validated first (a prompt longer than the
+        context is refused, not run)."""
+        try:
+            self.engine.validate(request)
+        except BadRequest as e:
+            raise SystemExit(f"epd bench lm: {e}") from None
+        self.engine.add_request(request, self._sink)
+
+    def _sink(self, out) -> None:
+        if out.finish_reason in ("error", "abort"):
+            self.failed.append(f"{out.request_id}: {out.finish_reason} {out.error or ''}")
+
+    def _check(self) -> None:
+        """No figure from requests that failed: the first failure ends the bench."""
+        if self.failed:
+            raise SystemExit(f"epd bench lm: a request failed, {self.failed[0]}")
 
     def run(
         self, streams: int, new_tokens: int, between_steps: Callable[[], None] | None = None
@@ -88,11 +139,13 @@ class Ours:
         for i in range(streams):
             self.count += 1
             params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-            self.engine.add_request(Request(f"b{self.count}", _prompt(i), params), lambda out: None)
+            self._add(Request(f"b{self.count}", _prompt(i), params))
         started = time.perf_counter()
         self.engine.run_to_completion(between_steps)
         _sync()
-        return time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self._check()
+        return elapsed
 
     def weight_bytes(self) -> int:
         return weight_bytes(self.engine.runner.model)
@@ -103,11 +156,13 @@ class Ours:
         self.count += 1
         prompt = _long_prompt(tokens, self.count, self.engine.vocab_size)
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        self.engine.add_request(Request(f"p{self.count}", prompt, params), lambda out: None)
+        self._add(Request(f"p{self.count}", prompt, params))
         started = time.perf_counter()
         self.engine.run_to_completion()
         _sync()
-        return time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self._check()
+        return elapsed
 
     def on_huge_pages(self) -> float:
         """The share of the parameters' bytes on 2 MiB pages (lm_worker/huge_pages.py)."""
@@ -300,6 +355,66 @@ class PairedSteps:
         self._read_s = self._read_end - started
 
 
+class DecodeSteps:
+    """Our engine's steady decode steps at a batch of `batch` sequences, timed one by one as
+    `between` runs between them (`run_to_completion(between_steps=...)`): only the steps that
+    run every sequence one token each, after all their prefills and before any has ended,
+    each with the tokens its attention reads (the sequences' lengths, the new token's too)."""
+
+    def __init__(self, scheduler: Scheduler, batch: int):
+        self.scheduler = scheduler
+        self.batch = batch
+        self.seconds: list[float] = []  # each timed step's
+        self.contexts: list[int] = []  # each timed step's tokens read from the KV cache
+        self._started: float | None = None  # the step now running is timed from here
+        self._context = 0
+
+    def start(self) -> Callable[[], None]:
+        """`between` for a new run."""
+        self._started = None
+        return self.between
+
+    def between(self) -> None:
+        _sync()
+        if self._started is not None:
+            self.seconds.append(time.perf_counter() - self._started)
+            self.contexts.append(self._context)
+        running = self.scheduler.running
+        steady = (
+            not self.scheduler.waiting
+            and len(running) == self.batch
+            and all(r.num_tokens - r.num_computed_tokens == 1 for r in running)
+        )
+        self._context = sum(r.num_tokens for r in running)
+        self._started = time.perf_counter() if steady else None
+
+    def tokens_per_second(self, since: int = 0) -> float:
+        """B x the timed steps from `since` on / their time."""
+        return self.batch * len(self.seconds[since:]) / sum(self.seconds[since:])
+
+    def summary(self, weight_bytes: int, kv_bytes_per_token: int, bandwidth: float) -> dict:
+        """Tokens/s and the mean step against the roofline: a step reads `weight_bytes` and
+        its KV, at `bandwidth` bytes/s."""
+        if not self.seconds:
+            raise SystemExit(
+                f"--decode-batches {self.batch}: no step ran all {self.batch} sequences one "
+                "token each (every prefill done): raise --tokens"
+            )
+        kv = kv_bytes_per_token * sum(self.contexts) // len(self.contexts)
+        tps = self.tokens_per_second()
+        roofline = self.batch * bandwidth / (weight_bytes + kv)
+        return {
+            "batch": self.batch,
+            "tps": round(tps, 2),
+            "step_ms": round(sum(self.seconds) / len(self.seconds) * 1e3, 3),
+            "steps": len(self.seconds),
+            "kv_bytes": kv,  # read by a step, the mean over the timed steps
+            "step_bytes": weight_bytes + kv,
+            "roofline_tps": round(roofline, 2),
+            "vs_roofline": float(f"{tps / roofline:.3g}"),
+        }
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -312,25 +427,27 @@ def cpu_model() -> str:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    if args.model:
-        model_dir = Path(args.model)
-    else:
-        print("using the random small model (written on first use)", flush=True)
-        model_dir = ensure_bench_model()
     device = (
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
-    dtype = DTYPES[args.dtype]
+    model_dir = bench_checkpoint(args, device)[0]
     if args.prefill_tokens is None:
         args.prefill_tokens = [1024, 4096, 16384] if device == "cuda" else [512]
+    if args.decode_batches is None:
+        args.decode_batches = [1, 8, 32, 64] if device == "cuda" else [1, 8]
+    n = args.tokens
     ours = Ours(
         model_dir,
-        max(args.streams, args.few_streams, 1),
+        max(args.streams, args.few_streams, 1, *args.decode_batches),
         device,
-        dtype,
+        DTYPES.get(args.dtype),
         args.fused_decode,
         args.huge_pages == "on",
+        new_tokens=n,
+        longest_prompt=max(args.prefill_tokens, default=0),
     )
+    dtype = ours.dtype
+    dtype_name = str(dtype).removeprefix("torch.")
     hf = HuggingFace(model_dir, device, dtype)
     invariant = None
     if args.batch_invariant:
@@ -341,15 +458,18 @@ def run(args: argparse.Namespace) -> int:
             dtype,
             huge_pages=args.huge_pages == "on",
             batch_invariant=True,
+            new_tokens=n,
         )
         invariant.run(1, 4)
-    n = args.tokens
     ours.run(1, 4)  # warm-up both
     hf.run(1, 4)
+    for batch in args.decode_batches:
+        ours.run(batch, 4)
 
     weights = ours.weight_bytes()
     probe = _probe_buffer(device, weights)
     ours_pairs, hf_pairs = PairedSteps(probe, weights, skip=1), PairedSteps(probe, weights, skip=0)
+    decodes = [DecodeSteps(ours.engine.scheduler, batch) for batch in args.decode_batches]
     ours_b1, hf_b1, ours_many, hf_batch, reads_r = [], [], [], [], []
     ours_few, hf_few = [], []
     inv_b1, inv_many, inv_few = [], [], []  # --batch-invariant
@@ -393,6 +513,18 @@ def run(args: argparse.Namespace) -> int:
             ),
             flush=True,
         )
+        if decodes:
+            timed = [len(d.seconds) for d in decodes]
+            for d in decodes:
+                ours.run(d.batch, n, d.start())
+            print(
+                f"round {r + 1}: steady decode, ours "
+                + ", ".join(
+                    f"batch {d.batch} {d.tokens_per_second(since):.1f} tok/s"
+                    for d, since in zip(decodes, timed, strict=True)
+                ),
+                flush=True,
+            )
     prefill_rows = []
     if args.prefill_tokens:
         peak = matmul_peak(device, dtype)
@@ -422,13 +554,22 @@ def run(args: argparse.Namespace) -> int:
     reads = {k: med(r[k] for r in reads_r) for k in reads_r[0]}
     bandwidth = med(ours_pairs.reads + hf_pairs.reads)
     roofline = bandwidth / weights
+    decode_rows = [d.summary(weights, ours.kv_bytes_per_token, reads["sum"]) for d in decodes]
+    for row in decode_rows:
+        print(
+            f"decode batch {row['batch']}: ours {row['tps']:.1f} tok/s ({row['step_ms']} ms a "
+            f"step), {row['vs_roofline']:.0%} of the roofline {row['roofline_tps']:.1f} tok/s = "
+            f"{weights / 1e6:.0f} MB of weights and {row['kv_bytes'] / 1e6:.2f} MB of KV a "
+            f"step read at {reads['sum'] / 1e9:.1f} GB/s (the sum probe)",
+            flush=True,
+        )
     summary = {
         "bench": "lm",
         "model": str(model_dir.name),
         "device": device,
         "cpu": cpu_model() if device == "cpu" else torch.cuda.get_device_name(),
         "threads": args.threads,
-        "dtype": args.dtype,
+        "dtype": dtype_name,
         "linear_kernel": ours.engine.linear_kernel,
         "fused_decode": ours.fused_decode,
         "weights_on_huge_pages": round(ours.on_huge_pages(), 3),
@@ -449,6 +590,10 @@ def run(args: argparse.Namespace) -> int:
         "hf_batch_tps": round(med(hf_batch), 2),
         "streams_vs_hf_batch": round(med(ours_many) / med(hf_batch), 3),
     }
+    if decode_rows:
+        summary["decode"] = decode_rows
+        summary["decode_read_probe"] = "sum"  # read_bandwidth's: the decode rooflines' rate
+        summary["kv_bytes_per_token"] = ours.kv_bytes_per_token
     if prefill_rows:
         summary["prefill"] = prefill_rows
         summary["matmul_peak_tflops"] = round(peak / 1e12, 3)
@@ -530,7 +675,7 @@ def profile_batch1(ours: Ours, tokens: int) -> str:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("lm", help="LM decode vs Hugging Face generate on the same checkpoint")
-    p.add_argument("--model", help="checkpoint directory (default: the built-in small model)")
+    add_checkpoint_arguments(p)
     p.add_argument("--tokens", type=int, default=64, help="new tokens per request (default 64)")
     p.add_argument("--streams", type=int, default=32, help="our concurrent streams (default 32)")
     p.add_argument(
@@ -562,13 +707,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(
         "--dtype",
-        default="float32",
         choices=["float32", "bfloat16"],
-        help="weights and compute, both sides (default float32; bfloat16 reads half the bytes)",
+        help="weights and compute, both sides (default: the checkpoint's, float32 for the small "
+        "model, bfloat16 for 3b and 7b; bfloat16 reads half the bytes)",
+    )
+    p.add_argument(
+        "--decode-batches",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="batches our engine decodes at, each timed over its steady decode steps against "
+        "the roofline of weights and KV read per step (default 1,8,32,64 on CUDA, 1,8 on a "
+        "CPU; '' for none)",
     )
     p.add_argument(
         "--prefill-tokens",
-        type=lambda v: [int(x) for x in v.split(",") if x],
+        type=_int_list,
         default=None,
         metavar="N,N,...",
         help="prompt lengths whose prefill is timed against HF's forward, with MFU against "
@@ -583,3 +737,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="also print torch.profiler's per-op table of one batch-1 request of TOKENS tokens",
     )
     p.set_defaults(func=run)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]

@@ -29,6 +29,11 @@ gives each worker one), the difference of the sums across the point; in `aggrega
 server's own clocks (its preprocessing and encoding, and the LM request's queue, prefill chunks
 and decode, as the LM worker measures them). A progress line runs on stderr; `--plot out.png`
 draws latency against request rate per topology. The last line is one JSON object.
+
+`--device` (auto: CUDA when there is one) is where every role the bench starts runs (the
+cluster's encoders and LM workers through `encoder.device` / `lm.device`, the aggregated server
+in process); `--size 3b` / `7b` serves a random checkpoint of Qwen2.5-VL-3B's / -7B's shapes in
+bf16 (drawn on the GPU when the roles run on one), `small` (the default) the random small model.
 """
 
 from __future__ import annotations
@@ -56,9 +61,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.config import LMConfig, load_config
 from common.device import resolve_device
 from common.process import free_port
-from common.served_model import ServedModel, ensure_bench_model
+from common.served_model import ServedModel
 from common.server import GRPC_OPTIONS
 from encoder_worker.tower import Tower
+from epd.bench import add_checkpoint_arguments, bench_checkpoint
 from epd.launcher import LocalCluster, parse_encoders
 from lm_worker.engine import LMEngine, RequestOutput, deliver
 from lm_worker.loader import build_engine
@@ -68,6 +74,9 @@ from proto import epd_pb2, epd_pb2_grpc
 from proxy.prepare import ChatMessage, Part, RequestBuilder
 
 TOPOLOGIES = ("e+pd", "e+p+d", "aggregated")
+# Each LM worker's KV cache: a fixed budget, not lm.kv_cache_bytes' auto (90% of the GPU memory
+# free when the worker loads), since every role the bench starts shares the one device.
+KV_CACHE_BYTES = {"cpu": 512 << 20, "cuda": 4 << 30}
 WORDS = (
     "describe",
     "the",
@@ -697,6 +706,7 @@ def _start_cluster(args, model_dir: Path, split: bool, encoders: str = "1") -> L
         "proxy.grpc_port": args.grpc_port,
         "proxy.http_port": args.http_port,
         "proxy.encoder_scale_down_seconds": args.scale_down_seconds,
+        "encoder.device": args.device,
         **{f"lm.{k}": v for k, v in _lm_settings(args).items()},
     }
     config = load_config(None, {k: v for k, v in overrides.items() if v is not None})
@@ -735,7 +745,11 @@ def _metrics_urls(cluster: LocalCluster) -> dict[str, list[str]]:
 
 
 def _lm_settings(args) -> dict:
-    return {"max_num_seqs": args.max_num_seqs, "kv_cache_bytes": 512 << 20}
+    return {
+        "device": args.device,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_cache_bytes": KV_CACHE_BYTES[args.device_type],
+    }
 
 
 def _lm_config(args) -> LMConfig:
@@ -846,11 +860,11 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(topologies) - set(TOPOLOGIES)
     if unknown:
         raise SystemExit(f"unknown topologies {sorted(unknown)}; choose from {TOPOLOGIES}")
-    if args.model:
-        model_dir = Path(args.model)
-    else:
-        print("using the random small benchmark model (written on first use)", flush=True)
-        model_dir = ensure_bench_model()
+    try:
+        args.device_type = resolve_device(args.device, "--device").type
+    except RuntimeError:
+        raise SystemExit("--device cuda: torch finds no CUDA device here") from None
+    model_dir = bench_checkpoint(args, args.device_type)[0]
     # NOTE: a new synthetic set per rate and reuse ratio (new images), so that only the chosen
     # share of a run's requests finds its images cached; a JSONL set is replayed as it is.
     reuses = [0.0] if args.dataset else [float(r) for r in args.reuse.split(",")]
@@ -867,6 +881,7 @@ def run(args: argparse.Namespace) -> int:
     summary = {
         "bench": "serve",
         "model": model_dir.name,
+        "device": args.device_type,
         "image": f"{args.image_width}x{args.image_height}",
         "images_per_request": args.images_per_request,
         "output_tokens": args.output_tokens,
@@ -950,7 +965,13 @@ def _encoder_ratios(rows: list[dict]) -> list[dict]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serving under load: TTFT / ITL / goodput per topology")
-    p.add_argument("--model", help="checkpoint directory (default: the random small model)")
+    add_checkpoint_arguments(p)
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the roles run (auto: CUDA when there is one)",
+    )
     p.add_argument(
         "--topology",
         default="e+pd,aggregated",

@@ -180,4 +180,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--video-seconds", type=float, default=8.0, help="video mode: clip length (8)")
     p.add_argument("--video-fps", type=int, default=24, help="video mode: clip frame rate (24)")
     p.add_argument("--video-size", type=int, default=336, help="video mode: square side px (336)")
-    p.add_argument("--device", default="cpu", help="video mode: cpu or cuda (cpu)")
