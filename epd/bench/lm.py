@@ -24,6 +24,7 @@ Both sides run in this process on the same threads, interleaved round by round:
   peak.
 `--size` picks the built-in random checkpoint: small (default), or Qwen2.5-VL-3B's or -7B's
 shapes in bf16 (written on first use, drawn on the bench's device: on a GPU in seconds).
+`--eager` (CUDA) runs a second engine of ours without CUDA graphs: graphs over eager at batch 1.
 `--batch-invariant` runs a second engine of ours with `lm.batch_invariant` on, in the same
 rounds, and gives its figures as ratios to our default engine's (what batch invariance costs).
 The CPU model and the linear kernel the LM worker chose at start-up are printed with the figures;
@@ -87,6 +88,8 @@ class Ours:
         huge_pages: bool = True,
         batch_invariant: bool = False,
         new_tokens: int = 0,
+        cuda_graphs: str = "auto",
+        prefill_attention: str = "torch",
         longest_prompt: int = 0,
     ):
         family = load_family(model_dir)
@@ -106,6 +109,8 @@ class Ours:
             cpu_fused_decode=fused_decode,
             cpu_huge_pages=huge_pages,
             batch_invariant=batch_invariant,
+            cuda_graphs=cuda_graphs,
+            prefill_attention=prefill_attention,
             kv_cache_bytes=max(1 << 30, blocks * block * self.kv_bytes_per_token),
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(2048, max_num_seqs),
@@ -430,6 +435,8 @@ def run(args: argparse.Namespace) -> int:
     device = (
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
+    if args.eager and device != "cuda":
+        raise SystemExit("--eager compares CUDA graphs with eager steps: it needs CUDA")
     model_dir = bench_checkpoint(args, device)[0]
     if args.prefill_tokens is None:
         args.prefill_tokens = [1024, 4096, 16384] if device == "cuda" else [512]
@@ -445,6 +452,7 @@ def run(args: argparse.Namespace) -> int:
         args.huge_pages == "on",
         new_tokens=n,
         longest_prompt=max(args.prefill_tokens, default=0),
+        prefill_attention=args.prefill_attention,
     )
     dtype = ours.dtype
     dtype_name = str(dtype).removeprefix("torch.")
@@ -461,6 +469,10 @@ def run(args: argparse.Namespace) -> int:
             new_tokens=n,
         )
         invariant.run(1, 4)
+    eager = None
+    if args.eager:
+        eager = Ours(model_dir, 1, device, dtype, cuda_graphs="off", new_tokens=n)
+        eager.run(1, 4)
     ours.run(1, 4)  # warm-up both
     hf.run(1, 4)
     for batch in args.decode_batches:
@@ -473,6 +485,7 @@ def run(args: argparse.Namespace) -> int:
     ours_b1, hf_b1, ours_many, hf_batch, reads_r = [], [], [], [], []
     ours_few, hf_few = [], []
     inv_b1, inv_many, inv_few = [], [], []  # --batch-invariant
+    eager_b1 = []  # --eager
     med = statistics.median
     for r in range(args.rounds):
         ours_b1.append((n - 1) / (_best(ours.run, 1, n) - _best(ours.run, 1, 1)))
@@ -487,6 +500,9 @@ def run(args: argparse.Namespace) -> int:
         if args.few_streams:
             ours_few.append(args.few_streams * n / ours.run(args.few_streams, n))
             hf_few.append(args.few_streams * n / hf.run(args.few_streams, n))
+        if eager is not None:
+            eager_b1.append((n - 1) / (_best(eager.run, 1, n) - _best(eager.run, 1, 1)))
+            print(f"round {r + 1}: eager (no CUDA graphs) batch 1 {eager_b1[-1]:.1f} tok/s")
         if invariant is not None:
             inv_b1.append((n - 1) / (_best(invariant.run, 1, n) - _best(invariant.run, 1, 1)))
             inv_many.append(args.streams * n / invariant.run(args.streams, n))
@@ -571,6 +587,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "dtype": dtype_name,
         "linear_kernel": ours.engine.linear_kernel,
+        "prefill_attention": args.prefill_attention,
         "fused_decode": ours.fused_decode,
         "weights_on_huge_pages": round(ours.on_huge_pages(), 3),
         "new_tokens": n,
@@ -604,6 +621,10 @@ def run(args: argparse.Namespace) -> int:
             "few_streams_hf_tps": round(med(hf_few), 2),
             "few_streams_vs_hf": round(med(ours_few) / med(hf_few), 3),
         }
+    if eager is not None:
+        summary["eager_batch1_tps"] = round(med(eager_b1), 2)
+        summary["graphs_vs_eager"] = round(med(ours_b1) / med(eager_b1), 3)
+        print(f"batch 1: CUDA graphs {summary['graphs_vs_eager']}x eager steps", flush=True)
     if invariant is not None:
         inv = {
             "batch1_tps": round(med(inv_b1), 2),
@@ -689,6 +710,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="on",
         choices=["on", "off"],
         help="lm.cpu_huge_pages for our engine: weights and KV cache on 2 MiB pages (default on)",
+    )
+    p.add_argument(
+        "--prefill-attention",
+        default="torch",
+        choices=["torch", "triton"],
+        help="lm.prefill_attention for our engine (GPU: triton, the paged prefill kernel)",
+    )
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="CUDA: also run an engine of ours without CUDA graphs; graphs over eager at batch 1",
     )
     p.add_argument(
         "--batch-invariant",
