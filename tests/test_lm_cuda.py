@@ -254,3 +254,27 @@ def test_batch_invariant_streams_together_get_what_each_gets_alone(checkpoint, g
         f"default kernels {default_seconds:.2f} s ({default_seconds / seconds:.2f}x)"
     )
     assert differing == [], differing
+
+
+def test_memory_plan_on_the_gpu(checkpoint, caplog):
+    """lm.kv_cache_bytes auto: the plan (weights, profiled activations and graphs) leaves the
+    device at most lm.gpu_memory_utilization in use, the KV cache takes nearly all of the share
+    (the tiny model's weights and steps are small), and a full batch of long prompts runs."""
+    import logging
+
+    utilization = 0.5  # half the device: room for whatever else the test machine holds
+    lm = LMConfig(
+        device="cuda", gpu_memory_utilization=utilization, max_num_seqs=32, max_model_len=4096
+    )
+    with caplog.at_level(logging.INFO, logger="lm_worker.loader"):
+        e = build_engine(lm, load_family(checkpoint), torch.float32, registry=None)
+    plan_line = next(r.getMessage() for r in caplog.records if "memory plan" in r.getMessage())
+    print(plan_line)
+    total = torch.cuda.mem_get_info()[1]
+    kv = e.runner.attention.kv_cache.nbytes
+    assert kv > 0.4 * total * utilization or "set by free" in plan_line, plan_line
+    prompts = [[100 + (i * 7 + j) % 500 for j in range(2000)] for i in range(32)]
+    tokens, _ = generate(e, prompts, 8)
+    assert all(len(t) == 8 for t in tokens)
+    used = (total - torch.cuda.mem_get_info()[0]) / total
+    print(f"device in use at steady state: {used:.3f} (utilization {utilization})")
