@@ -59,6 +59,26 @@ class InputBatch:
     sampling_requests: list[Request]  # requests whose window reaches their last token
     attn_metadata: PagedAttentionMetadata
     use_graph: bool
+    step: StepArrays  # what it was loaded from (a tensor-parallel worker sends it)
+
+
+@dataclass
+class StepArrays:
+    """A step's inputs as host arrays, before they are in the buffers: what rank 0 of a
+    tensor-parallel worker sends the other ranks (lm_worker/tensor_parallel.py)."""
+
+    ids: np.ndarray  # [T]
+    positions: np.ndarray  # [axes, T]
+    slots: np.ndarray  # [T]
+    num_tokens: int
+    num_decodes: int
+    pad: bool  # a decode-only step padded to a graph size
+    decode_seq_lens: np.ndarray  # [num_decodes]
+    decode_block_ids: list[list[int]]
+    prefill_query_lens: list[int]
+    prefill_seq_lens: list[int]
+    prefill_block_ids: list[list[int]]
+    logits_indices: list[int] | None  # None: every token's
 
 
 class ModelRunner:
@@ -177,64 +197,93 @@ class ModelRunner:
 
         num_decodes = batch.num_decodes
         pad = self.pad_decodes and 0 < num_decodes == num_reqs <= self.graph_sizes[-1]
+        computed_all = computed + counts
+        step = StepArrays(
+            ids=ids,
+            positions=positions,
+            slots=slots,
+            num_tokens=num_tokens,
+            num_decodes=num_decodes,
+            pad=pad,
+            decode_seq_lens=computed[:num_decodes] + 1,
+            decode_block_ids=[requests[i].block_ids for i in range(num_decodes)],
+            prefill_query_lens=[int(counts[i]) for i in range(num_decodes, num_reqs)],
+            prefill_seq_lens=[int(computed_all[i]) for i in range(num_decodes, num_reqs)],
+            prefill_block_ids=[list(requests[i].block_ids) for i in range(num_decodes, num_reqs)],
+            logits_indices=None if len(logits_indices) == num_tokens else logits_indices,
+        )
+        inputs = self.load_step(step)
+        inputs.requests = requests
+        inputs.num_scheduled_tokens = counts
+        inputs.query_start_loc = query_start_loc
+        inputs.num_computed_tokens = computed
+        inputs.prefill_lens = prefill_lens
+        inputs.sampling_requests = sampling
+        return inputs
+
+    def load_step(self, step: StepArrays) -> InputBatch:
+        """The step's inputs into this runner's buffers, and their metadata: what every rank
+        of a tensor-parallel worker does with the arrays rank 0 prepared (the request fields
+        of the InputBatch are rank 0's, filled by `prepare_inputs`)."""
+        b = self.buffers
+        num_tokens, num_decodes, pad = step.num_tokens, step.num_decodes, step.pad
         use_graph = pad and self.graphs is not None
         padded = (
             self.graph_sizes[bisect.bisect_left(self.graph_sizes, num_decodes)]
             if pad
             else num_tokens
         )
-
-        b.fill("input_ids", ids, padded, 0)
-        b.fill("positions", positions, padded, 0)
-        b.fill("slot_mapping", slots, padded, NULL_BLOCK * bs)
+        bs = self.block_size
+        b.fill("input_ids", step.ids, padded, 0)
+        b.fill("positions", step.positions, padded, 0)
+        b.fill("slot_mapping", step.slots, padded, NULL_BLOCK * bs)
 
         # Decode block tables: full width when padded (graph shapes), else just wide enough.
         decode_rows = padded if pad else num_decodes
-        seq_lens = computed[:num_decodes] + 1
+        seq_lens = step.decode_seq_lens
         if pad:
             width = self.max_blocks_per_seq
         else:
             width = max(-(-int(seq_lens.max(initial=1)) // self.block_size), 1)
         tables = b.host_block_tables[:decode_rows, :width]
         tables.fill(NULL_BLOCK)
-        for i in range(num_decodes):
-            row = requests[i].block_ids
+        for i, row in enumerate(step.decode_block_ids):
             tables[i, : len(row)] = row
         b.fill("decode_block_tables", tables, decode_rows, NULL_BLOCK, width)
         b.fill("decode_seq_lens", seq_lens, decode_rows, 1)
 
-        prefill = range(num_decodes, num_reqs)
-        if prefill:
+        if step.prefill_query_lens:
             meta = PagedAttentionMetadata(
                 slot_mapping=b.slot_mapping[:padded],
                 num_decodes=decode_rows,
                 decode_block_tables=b.decode_block_tables[:decode_rows, :width],
                 decode_seq_lens=b.decode_seq_lens[:decode_rows],
-                prefill_query_lens=[int(counts[i]) for i in prefill],
-                prefill_seq_lens=[int(computed[i] + counts[i]) for i in prefill],
+                prefill_query_lens=step.prefill_query_lens,
+                prefill_seq_lens=step.prefill_seq_lens,
                 prefill_block_tables=[
-                    torch.as_tensor(requests[i].block_ids, dtype=torch.long, device=self.device)
-                    for i in prefill
+                    torch.as_tensor(ids, dtype=torch.long, device=self.device)
+                    for ids in step.prefill_block_ids
                 ],
             )
         else:
             meta = b.decode_metadata(decode_rows, width)
         return InputBatch(
-            requests=requests,
+            requests=[],
             num_tokens=num_tokens,
             num_tokens_padded=padded,
-            num_scheduled_tokens=counts,
-            query_start_loc=query_start_loc,
-            num_computed_tokens=computed,
-            prefill_lens=prefill_lens,
+            num_scheduled_tokens=np.zeros(0, dtype=np.int64),
+            query_start_loc=np.zeros(0, dtype=np.int64),
+            num_computed_tokens=np.zeros(0, dtype=np.int64),
+            prefill_lens=np.zeros(0, dtype=np.int64),
             logits_indices=(
                 slice(0, num_tokens)
-                if len(logits_indices) == num_tokens
-                else torch.as_tensor(logits_indices, dtype=torch.long, device=self.device)
+                if step.logits_indices is None
+                else torch.as_tensor(step.logits_indices, dtype=torch.long, device=self.device)
             ),
-            sampling_requests=sampling,
+            sampling_requests=[],
             attn_metadata=meta,
             use_graph=use_graph,
+            step=step,
         )
 
     def gather_mm_embeddings(
