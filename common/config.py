@@ -529,6 +529,9 @@ class LMConfig:
     # it to its local encoders' encoder.gpu_memory_utilization when they share the GPU).
     gpu_memory_utilization: float = 0.9
     gpu_memory_reserved: float = 0.0
+    # One LM worker as this many processes, each holding a shard of the LM (Megatron tensor
+    # parallelism, lm_worker/tensor_parallel.py): rank r on cuda:r on a GPU, gloo on a CPU.
+    tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     # Decode in CUDA graphs: auto (on with CUDA), on (CUDA required), off.
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
@@ -627,6 +630,7 @@ class LMConfig:
             "block_size",
             "max_graph_batch_size",
             "max_realtime_sessions",
+            "tensor_parallel_size",
         ):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")

@@ -344,6 +344,8 @@ def _described(model: nn.Module, attention: PagedAttention) -> DecoderWeights | 
     lib, why = c_library()
     if lib is None:
         return why
+    if getattr(model, "tensor_parallel", None) is not None:
+        return "the model is sharded (tensor parallelism): its layers need all-reduces"
     describe = getattr(model, "decoder_weights", None)
     if describe is None:
         return f"{type(model).__name__} does not describe its decoder (decoder_weights)"

@@ -212,6 +212,8 @@ class LMEngine:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join()
+        if self.runner.ranks is not None:  # the other ranks of a tensor-parallel worker
+            self.runner.ranks.close()
 
     def load(self) -> dict[str, float]:
         """A snapshot for GetLoad (read without locks: counters only)."""

@@ -3,6 +3,7 @@ sized to its budget, the CPU's linear kernels chosen, CUDA graphs captured, one 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -35,8 +36,10 @@ from lm_worker.memory_plan import (
 )
 from lm_worker.model_runner import ModelRunner
 from lm_worker.scheduler import Scheduler
+from lm_worker.tensor_parallel import start_ranks
 from models import ModelFamily
 from models.family import TextDims
+from models.parallel import TensorParallel, local_kv_heads, tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -51,85 +54,26 @@ def build_engine(
     kv_store: KVStore | None = None,
     kv_direct: tuple[KVSender, KVInbox] | None = None,
 ) -> LMEngine:
-    """Load the family's LM, plan its memory (the KV cache's size), capture graphs.
+    """Load the family's LM, plan its memory (the KV cache's size), capture graphs; with
+    lm.tensor_parallel_size > 1, start the other ranks first (lm_worker/tensor_parallel.py).
     `pad_decodes` is for tests (graph-shaped inputs run eagerly on the CPU)."""
-    device = resolve_device(lm.device, "lm.device")
-    use_graphs = lm.cuda_graphs == "on" or (lm.cuda_graphs == "auto" and device.type == "cuda")
-    if use_graphs and device.type != "cuda":
-        raise RuntimeError("lm.cuda_graphs is on but the LM runs on the CPU: set it to auto or off")
+    ranks = None
+    if lm.tensor_parallel_size > 1:
+        if kv_store is not None:
+            raise RuntimeError(
+                "lm.tensor_parallel_size > 1 with a prefill / decode split is not supported yet"
+            )
+        ranks = start_ranks(lm, family, dtype)
+    try:
+        runner, plan, kernel = build_runner(
+            lm, family, dtype, pad_decodes, ranks.tp if ranks else None
+        )
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+    runner.ranks = ranks
     text = family.text
-    max_model_len = lm.context_length(text.max_position_embeddings)
-    if max_model_len > text.max_position_embeddings:
-        raise RuntimeError(
-            f"lm.max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-            f"{text.max_position_embeddings}"
-        )
-    attention = PagedAttention(
-        lm.block_size, text.head_dim, triton_prefill=lm.prefill_attention == "triton"
-    )
-    model = family.load_language_model(attention, dtype, device)
-    kernel = "cuda"
-    if lm.batch_invariant and device.type == "cuda":
-        _use_triton_invariant_kernels(model, attention)
-        kernel = "batch-invariant Triton kernels"
-    elif lm.batch_invariant:
-        kernel = "batch-invariant C layers"  # (the runner's InvariantForward, below)
-    elif device.type == "cpu":
-        kernel = _choose_cpu_kernel(lm, model)
-    huge = device.type == "cpu" and lm.cpu_huge_pages
-    if huge:  # after the kernel choice: the dense weights it dropped are not copied
-        _weights_on_huge_pages(model)
-    # The null block alone until the plan sizes the cache: the profiling steps read and write
-    # only it.
-    kv_shape = (text.num_kv_heads, text.head_dim, dtype, device, huge)
-    attention.allocate(text.num_layers, 1, *kv_shape)
-    runner = ModelRunner(
-        model,
-        attention,
-        family.model_state,
-        block_size=lm.block_size,
-        max_num_seqs=lm.max_num_seqs,
-        max_num_batched_tokens=lm.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        device=device,
-        dtype=dtype,
-        use_graphs=use_graphs,
-        max_graph_batch_size=lm.max_graph_batch_size,
-        pad_decodes=pad_decodes,
-    )
-    plan = _plan_memory(lm, runner, text, max_model_len)
-    max_model_len = plan.max_model_len
-    attention.allocate(text.num_layers, plan.num_blocks, *kv_shape)
-    free_before_graphs = device_memory(device).free if use_graphs else 0
-    runner.capture_graphs()
-    logger.info(
-        "LM on %s (%s, %s linear), CUDA graphs %s; memory plan: %s",
-        device,
-        dtype,
-        kernel,
-        "on" if use_graphs else "off",
-        plan.summary(),
-    )
-    if use_graphs:
-        left = device_memory(device).free
-        logger.info(
-            "after graph capture: %.2f GiB free on %s (the graphs took %.2f GiB, planned %.2f)",
-            left / 2**30,
-            device,
-            (free_before_graphs - left) / 2**30,
-            plan.usage.graphs / 2**30,
-        )
-    runner.dummy_run(1)  # warm-up: kernels and allocator settle before the first request
-    if lm.batch_invariant and device.type == "cpu":
-        why = why_not_fused(model, attention)
-        extra = getattr(model, "prefill_beyond_decoder", None)
-        if extra and not why:
-            why = f"the model adds {extra} at prefill, which its C layers do not"
-        if why:
-            raise RuntimeError(f"lm.batch_invariant cannot run here: {why}")
-        runner.invariant = InvariantForward(model, attention)
-    elif device.type == "cpu":
-        _choose_fused_decode(lm, runner)
     kv: KVConnector = NoKVConnector()
     if kv_store is not None:
         block_shape = (text.num_layers, 2, lm.block_size, text.num_kv_heads, text.head_dim)
@@ -154,11 +98,108 @@ def build_engine(
         family.tokenizer(),
         family.eos_token_ids,
         text.vocab_size,
-        max_model_len,
+        plan.max_model_len,
         emit=emit,
         registry=registry,
         linear_kernel=kernel,
     )
+
+
+def build_runner(
+    lm: LMConfig,
+    family: ModelFamily,
+    dtype: torch.dtype,
+    pad_decodes: bool = False,
+    tp: TensorParallel | None = None,
+) -> tuple[ModelRunner, MemoryPlan, str]:
+    """The model (this rank's shard under `tp`), its KV cache as planned, graphs captured, one
+    warm-up step: what every rank of a worker runs, in the same order (their collectives
+    meet). Returns the runner, the plan and the linear kernel's name."""
+    device = resolve_device(lm.device, "lm.device")
+    use_graphs = lm.cuda_graphs == "on" or (lm.cuda_graphs == "auto" and device.type == "cuda")
+    if use_graphs and device.type != "cuda":
+        raise RuntimeError("lm.cuda_graphs is on but the LM runs on the CPU: set it to auto or off")
+    text = family.text
+    max_model_len = lm.context_length(text.max_position_embeddings)
+    if max_model_len > text.max_position_embeddings:
+        raise RuntimeError(
+            f"lm.max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{text.max_position_embeddings}"
+        )
+    if tp is not None and lm.batch_invariant:
+        raise RuntimeError("lm.batch_invariant with lm.tensor_parallel_size > 1 is not supported")
+    attention = PagedAttention(
+        lm.block_size, text.head_dim, triton_prefill=lm.prefill_attention == "triton"
+    )
+    with tensor_parallel(tp):
+        model = family.load_language_model(attention, dtype, device)
+    kernel = "cuda"
+    if lm.batch_invariant and device.type == "cuda":
+        _use_triton_invariant_kernels(model, attention)
+        kernel = "batch-invariant Triton kernels"
+    elif lm.batch_invariant:
+        kernel = "batch-invariant C layers"  # (the runner's InvariantForward, below)
+    elif device.type == "cpu" and tp is not None and lm.cpu_linear == "auto":
+        # The timed choice could differ between ranks' layers; torch's kernel on each.
+        kernel = "linear"
+    elif device.type == "cpu":
+        kernel = _choose_cpu_kernel(lm, model)
+    huge = device.type == "cpu" and lm.cpu_huge_pages
+    if huge:  # after the kernel choice: the dense weights it dropped are not copied
+        _weights_on_huge_pages(model)
+    # The null block alone until the plan sizes the cache: the profiling steps read and write
+    # only it.
+    kv_heads = local_kv_heads(text.num_kv_heads, tp.size) if tp else text.num_kv_heads
+    kv_shape = (kv_heads, text.head_dim, dtype, device, huge)
+    attention.allocate(text.num_layers, 1, *kv_shape)
+    runner = ModelRunner(
+        model,
+        attention,
+        family.model_state,
+        block_size=lm.block_size,
+        max_num_seqs=lm.max_num_seqs,
+        max_num_batched_tokens=lm.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        device=device,
+        dtype=dtype,
+        use_graphs=use_graphs,
+        max_graph_batch_size=lm.max_graph_batch_size,
+        pad_decodes=pad_decodes,
+    )
+    plan = _plan_memory(lm, runner, kv_heads, text, max_model_len, tp)
+    attention.allocate(text.num_layers, plan.num_blocks, *kv_shape)
+    free_before_graphs = device_memory(device).free if use_graphs else 0
+    runner.capture_graphs()
+    logger.info(
+        "LM on %s (%s, %s linear), CUDA graphs %s%s; memory plan: %s",
+        device,
+        dtype,
+        kernel,
+        "on" if use_graphs else "off",
+        f", tensor-parallel rank {tp.rank} of {tp.size}" if tp else "",
+        plan.summary(),
+    )
+    if use_graphs:
+        left = device_memory(device).free
+        logger.info(
+            "after graph capture: %.2f GiB free on %s (the graphs took %.2f GiB, planned %.2f)",
+            left / 2**30,
+            device,
+            (free_before_graphs - left) / 2**30,
+            plan.usage.graphs / 2**30,
+        )
+    runner.dummy_run(1)  # warm-up: kernels and allocator settle before the first request
+    if lm.batch_invariant and device.type == "cpu":
+        why = why_not_fused(model, attention)
+        extra = getattr(model, "prefill_beyond_decoder", None)
+        if extra and not why:
+            why = f"the model adds {extra} at prefill, which its C layers do not"
+        if why:
+            raise RuntimeError(f"lm.batch_invariant cannot run here: {why}")
+        runner.invariant = InvariantForward(model, attention)
+    elif device.type == "cpu" and tp is None:  # (one C call for all layers: no collectives)
+        _choose_fused_decode(lm, runner)
+    return runner, plan, kernel
 
 
 def _use_triton_invariant_kernels(model: torch.nn.Module, attention: PagedAttention) -> None:
@@ -233,13 +274,20 @@ def _choose_fused_decode(lm: LMConfig, runner: ModelRunner) -> None:
 
 
 def _plan_memory(
-    lm: LMConfig, runner: ModelRunner, text: TextDims, max_model_len: int
+    lm: LMConfig,
+    runner: ModelRunner,
+    kv_heads: int,
+    text: TextDims,
+    max_model_len: int,
+    tp: TensorParallel | None,
 ) -> MemoryPlan:
     """Profile the largest steps, then size the KV cache (lm_worker/memory_plan.py): a prefill
     chunk of max_num_batched_tokens at the end of a max_model_len sequence (the most keys a
     chunk attends to), and the largest decode batch the graphs capture. On a CPU the chunk
     runs without the prefix: its attention tiles the scores, so a prefix adds only its mask
-    (16 MiB at 2048 x 8192), and reading 8k keys took 5 s of a 2-core host's start-up."""
+    (16 MiB at 2048 x 8192), and reading 8k keys took 5 s of a 2-core host's start-up. The
+    ranks of a tensor-parallel worker each plan on their device and all take the smallest
+    plan (their block tables are rank 0's)."""
     device = runner.device
     chunk = min(lm.max_num_batched_tokens, max_model_len)
     with PeakMeter(device) as prefill:
@@ -249,7 +297,7 @@ def _plan_memory(
         with PeakMeter(device) as decode:
             runner.dummy_run(max(runner.graph_sizes))
         graphs = decode.bytes
-    return plan_kv_cache(
+    plan = plan_kv_cache(
         device.type,
         device_memory(device),
         Usage(module_bytes(runner.model), prefill.bytes, graphs),
@@ -257,9 +305,13 @@ def _plan_memory(
         reserved=lm.gpu_memory_reserved if device.type == "cuda" else 0.0,
         kv_cache_bytes=int(lm.kv_cache_bytes),
         block_bytes=PagedAttention.bytes_per_block(
-            text.num_layers, lm.block_size, text.num_kv_heads, text.head_dim, runner.dtype
+            text.num_layers, lm.block_size, kv_heads, text.head_dim, runner.dtype
         ),
         block_size=lm.block_size,
         max_model_len=max_model_len,
         explicit_len=lm.max_model_len is not None,
     )
+    if tp is None:
+        return plan
+    least = tp.all_reduce_min([plan.num_blocks, plan.max_model_len])
+    return dataclasses.replace(plan, num_blocks=least[0], max_model_len=least[1])

@@ -24,6 +24,7 @@ import bisect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +39,9 @@ from lm_worker.request import Request
 from lm_worker.scheduler import ScheduledBatch
 from models import LoadedEmbedding, ModelState
 from models.family import LanguageModel
+
+if TYPE_CHECKING:
+    from lm_worker.tensor_parallel import Ranks
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +134,9 @@ class ModelRunner:
         self.fused: FusedDecode | None = None
         # lm.batch_invariant: every step through it instead (set by the loader).
         self.invariant: InvariantForward | None = None
+        # Tensor parallelism: rank 0's handle on the other ranks (lm_worker/tensor_parallel.py),
+        # sent each step's inputs before its forward.
+        self.ranks: Ranks | None = None
         # Captured by `capture_graphs`, once the KV cache is allocated at its planned size.
         self.graphs: CudaGraphRunner | None = None
         self.use_graphs = use_graphs
@@ -312,6 +319,8 @@ class ModelRunner:
         the cache (the KV connector's per-layer save; a graph replay calls nothing)."""
         b = self.buffers
         T, padded = inputs.num_tokens, inputs.num_tokens_padded
+        if self.ranks is not None:
+            self.ranks.send_step(inputs.step, mm_embeds, is_mm_embed)
         if self.fused is not None and not mm_embeds and save_layer is None:
             # A CPU decode step of a few sequences: token ids to logits in C.
             logits = self.fused.step(

@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from models.parallel import Slice, read_slice
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -105,9 +107,11 @@ def load_tensors(
     what: str,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    slices: Mapping[str, Slice] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The tensors `select` takes, under their local names, cast to `dtype` (None: as stored).
-    `what` names the module in errors.
+    `what` names the module in errors. `slices` (tensor parallelism, models/parallel.py): of
+    the tensors it names, only that slice is read.
 
     Only the files that hold those tensors are opened, and only those tensors are read.
     """
@@ -125,7 +129,11 @@ def load_tensors(
             for name, local in names:
                 if local in out:
                     raise CheckpointError(f"{root}: tensor {local} appears twice (as {name})")
-                tensor = f.get_tensor(name)
+                if slices and local in slices:
+                    shape = f.get_slice(name).get_shape()
+                    tensor = read_slice(f, name, shape, slices[local])
+                else:
+                    tensor = f.get_tensor(name)
                 if dtype is not None and tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 out[local] = tensor.to(device)

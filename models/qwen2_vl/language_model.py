@@ -25,6 +25,7 @@ from models.layers import (
     merge_linears,
     rotary_tables,
 )
+from models.parallel import shard_language_model
 from models.qwen2_vl.config import TextConfig
 from models.qwen2_vl.rope import MRotaryEmbedding
 
@@ -122,7 +123,8 @@ class Qwen2LanguageModel(nn.Module):
         """Build the LM and load its tensors (never the vision tower's)."""
         with torch.device("meta"):
             model = cls(config, attn_backend)
-        model.load_weights(load_tensors(checkpoint_dir, lm_tensor, "lm", dtype, device))
+        slices = shard_language_model(model)  # {} without tensor parallelism
+        model.load_weights(load_tensors(checkpoint_dir, lm_tensor, "lm", dtype, device, slices))
         return model.to(device).eval()
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:

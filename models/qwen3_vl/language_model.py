@@ -37,6 +37,7 @@ from models.layers import (
     merge_linears,
     rotary_tables,
 )
+from models.parallel import shard_language_model
 from models.qwen2_vl.language_model import lm_tensor
 from models.qwen2_vl.rope import MRotaryEmbedding
 from models.qwen3_vl.config import MoEConfig, TextConfig
@@ -96,10 +97,18 @@ class Experts(nn.Module):
         self.read_fraction = moe.top_k / moe.num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))
         self.down_proj = nn.Parameter(torch.empty(e, hidden, i))
+        # Under tensor parallelism a rank holds experts first_expert .. + E_local
+        # (models/parallel.py): tokens routed elsewhere are another rank's.
+        self.first_expert = 0
 
     def forward(
         self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor
     ) -> torch.Tensor:
+        # This module's experts by local index; routes to other ranks' experts to index E_local
+        # (the routed path's and the dense path's spare slot).
+        held = self.gate_up_proj.shape[0]
+        top_index = top_index - self.first_expert
+        top_index = top_index.masked_fill((top_index < 0) | (top_index >= held), held)
         if x.is_cuda and x.shape[0] <= DENSE_MOE_MAX_TOKENS:
             return self.dense(x, top_index, top_weight)
         return self.routed(x, top_index, top_weight)
@@ -108,6 +117,7 @@ class Experts(nn.Module):
         """Each expert over the tokens routed to it, added in expert order."""
         out = torch.zeros_like(x)
         hit = torch.zeros(self.gate_up_proj.shape[0] + 1, dtype=torch.long, device=x.device)
+        # (the last slot: routes to no expert of this module's)
         hit.scatter_(0, top_index.flatten(), 1)
         for e in hit[:-1].nonzero().flatten().tolist():
             token, slot = torch.where(top_index == e)
@@ -118,10 +128,9 @@ class Experts(nn.Module):
 
     def dense(self, x, top_index, top_weight) -> torch.Tensor:
         """Every expert over every token, unrouted pairs weighted zero: static shapes."""
-        weights = torch.zeros(
-            x.shape[0], self.gate_up_proj.shape[0], dtype=x.dtype, device=x.device
-        )
-        weights.scatter_(1, top_index, top_weight)  # [T, E]
+        held = self.gate_up_proj.shape[0]
+        weights = torch.zeros(x.shape[0], held + 1, dtype=x.dtype, device=x.device)
+        weights = weights.scatter_(1, top_index, top_weight)[:, :held]  # [T, E]
         gate, up = torch.matmul(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
         y = torch.matmul(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, T, H]
         return (y * weights.T[:, :, None]).sum(0)
@@ -195,7 +204,8 @@ class Qwen3LanguageModel(nn.Module):
     ) -> Qwen3LanguageModel:
         with torch.device("meta"):
             model = cls(config, attn_backend, num_levels)
-        model.load_weights(load_tensors(checkpoint_dir, lm_tensor, "lm", dtype, device))
+        slices = shard_language_model(model)  # {} without tensor parallelism
+        model.load_weights(load_tensors(checkpoint_dir, lm_tensor, "lm", dtype, device, slices))
         return model.to(device).eval()
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 from models.attention import AttentionBackend
 from models.checkpoint import assign_lm_weights, load_tensors, strip_prefixes
 from models.layers import GatedMLP, RMSNorm, apply_rotary, inverse_frequencies
+from models.parallel import shard_language_model
 from models.voxtral_realtime.config import TextConfig
 
 # transformers writes `language_model.model.*` (and `lm_head.weight` when untied).
@@ -122,7 +123,8 @@ class VoxtralLanguageModel(nn.Module):
     ) -> VoxtralLanguageModel:
         with torch.device("meta"):
             model = cls(config, attn_backend)
-        model.load_weights(load_tensors(checkpoint_dir, lm_tensor, "lm", dtype, device))
+        slices = shard_language_model(model)  # {} without tensor parallelism
+        model.load_weights(load_tensors(checkpoint_dir, lm_tensor, "lm", dtype, device, slices))
         model.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta).to(device)
         with torch.no_grad():
             model.set_delay(num_delay_tokens)

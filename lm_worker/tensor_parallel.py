@@ -1,0 +1,132 @@
+"""Tensor-parallel LM workers: one worker, `lm.tensor_parallel_size` processes (ranks).
+
+Rank 0 is the LM worker as always: the gRPC server, the scheduler, the block manager, the
+sampler. It starts ranks 1 .. N-1 (`python -m lm_worker.tp_rank`, one per device: rank
+r on cuda:r) and writes each, over its stdin, its `RankSpec`, then every step's inputs
+(`StepArrays`, and the step's embedding rows: the embedding cache is read once, by rank 0).
+Every rank builds the same runner on its shard of the model (models/parallel.py) in the same
+order, so their collectives meet (the profiling steps, the graphs, the memory plan: every rank
+takes the smallest), and runs each step's forward: the all-reduces and all-gathers inside run
+on a process group of their own (gloo on CPUs, NCCL on GPUs), never torch's default group.
+Only rank 0 samples; the logits are whole on every rank.
+
+Faults: a rank whose stdin closes (rank 0 is gone) exits. A rank that dies breaks the next
+collective on rank 0 (gloo sees the closed socket at once), and `Ranks.dead` names it: the LM
+worker's server checks it and exits whole, so the proxy moves its streams and `epd up` starts
+the worker again. A rank that hangs is caught by the group's timeout and by the engine's step
+watchdog (lm.step_timeout_seconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from common.config import LMConfig
+from common.device import resolve_device
+from common.process import free_port
+from models import FamilyOptions, ModelFamily
+from models.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+# Collectives wait at most this long: the ranks load the model at their own pace, and a step
+# that hangs meets the engine's step watchdog first.
+GROUP_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank needs to build its runner: the same settings as rank 0's."""
+
+    lm: LMConfig
+    model_path: str
+    options: FamilyOptions
+    dtype: torch.dtype
+    store_port: int
+    rank: int
+    size: int
+
+
+def make_group(store: dist.Store, rank: int, size: int, device: torch.device):
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = GROUP_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, GROUP_TIMEOUT)
+
+
+class Ranks:
+    """Rank 0's handle on the other ranks: their processes and the pipe to each."""
+
+    def __init__(self, tp: TensorParallel, procs: list[subprocess.Popen], store: dist.Store):
+        self.tp = tp
+        self.procs = procs
+        self.store = store  # kept alive: the ranks' rendezvous
+
+    def send(self, message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for proc in self.procs:
+            proc.stdin.write(data)
+            proc.stdin.flush()
+
+    def send_step(self, step, mm_embeds: list[torch.Tensor], is_mm_embed) -> None:
+        """A step's inputs, as its forward gets them (embedding rows on the host)."""
+        rows = [e.cpu() for e in mm_embeds]
+        self.send(("step", step, rows, None if is_mm_embed is None else is_mm_embed.cpu()))
+
+    def dead(self) -> str | None:
+        """Which rank has exited, and how (None: all run)."""
+        for r, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                return f"tensor-parallel rank {r} exited with code {proc.returncode}"
+        return None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """The ranks end (their stdin closed); any still running after `timeout` is killed."""
+        for proc in self.procs:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def start_ranks(lm: LMConfig, family: ModelFamily, dtype: torch.dtype) -> Ranks:
+    """Ranks 1 .. N-1 started and joined to rank 0 (this process) in a new process group."""
+    size = lm.tensor_parallel_size
+    device = resolve_device(lm.device, "lm.device")
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise RuntimeError(
+            f"lm.tensor_parallel_size {size} needs {size} GPUs; {torch.cuda.device_count()} "
+            "are visible"
+        )
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, size, True, GROUP_TIMEOUT, wait_for_workers=False)
+    procs = []
+    for rank in range(1, size):
+        proc = subprocess.Popen([sys.executable, "-m", "lm_worker.tp_rank"], stdin=subprocess.PIPE)
+        spec = RankSpec(lm, str(family.path), family.options, dtype, port, rank, size)
+        proc.stdin.write(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+        proc.stdin.flush()
+        procs.append(proc)
+    try:
+        group = make_group(store, 0, size, device)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
+    logger.info("tensor parallelism: %d ranks (pids %s)", size, [p.pid for p in procs])
+    return Ranks(TensorParallel(0, size, group), procs, store)

@@ -1,0 +1,62 @@
+"""A tensor-parallel LM worker's rank 1 .. N-1 (`python -m lm_worker.tp_rank`, started by rank
+0: lm_worker/tensor_parallel.py): its spec, then every step's inputs, come over stdin."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+from typing import IO
+
+import torch
+import torch.distributed as dist
+
+from common.device import resolve_device
+from lm_worker.loader import build_runner
+from lm_worker.tensor_parallel import GROUP_TIMEOUT, RankSpec, make_group
+from models import load_family
+from models.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+
+def follow(spec: RankSpec, inbox: IO[bytes]) -> None:
+    """A rank's life: join the group, build the runner on its shard, run every step rank 0
+    sends, until its pipe closes."""
+    device = resolve_device(spec.lm.device, "lm.device")
+    if device.type == "cuda":
+        torch.cuda.set_device(spec.rank)
+    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, False, GROUP_TIMEOUT)
+    group = make_group(store, spec.rank, spec.size, device)
+    tp = TensorParallel(spec.rank, spec.size, group)
+    family = load_family(spec.model_path, spec.options)
+    runner, _, _ = build_runner(spec.lm, family, spec.dtype, tp=tp)
+    while True:
+        try:
+            kind, *body = pickle.load(inbox)
+        except EOFError:
+            return
+        if kind == "step":
+            step, rows, is_mm_embed = body
+            runner.forward(runner.load_step(step), rows, is_mm_embed)
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s tp-rank %(name)s: %(message)s"
+    )
+    inbox = sys.stdin.buffer
+    try:
+        spec = pickle.load(inbox)
+    except EOFError:
+        return
+    try:
+        follow(spec, inbox)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", spec.rank)
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Tensor-parallel LM workers on the CPU (gloo): the shards add up to the model, and an engine
+of 2 (or 4) ranks gives the same greedy tokens as the reference for text, one and two images,
+chunked prefill, MoE experts split across the ranks, and a realtime transcription."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lm_worker.attention import PagedAttention
+from models import load_family
+from models.parallel import TensorParallel, tensor_parallel
+from models.testing import ReferenceModel, make_checkpoint
+from tests.lm_helpers import case, make_engine, png, run, three_cases
+
+ARCHS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request, tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("tp") / request.param, request.param)
+    return path, ReferenceModel(path)
+
+
+def shard(path, rank: int, size: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s parameters as it loads them (no collective runs while loading)."""
+    family = load_family(path)
+    attention = PagedAttention(16, family.text.head_dim)
+    with tensor_parallel(TensorParallel(rank, size, group=None)):
+        lm = family.language_model(attention, torch.float32, torch.device("cpu"))
+    return dict(lm.named_parameters(remove_duplicate=False))
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_rank_loads_its_shard_and_the_shards_add_up(model, size):
+    """Every parameter is split along one dimension (concatenated back it is the whole one:
+    the vocabulary's rows, heads, MLP width, experts) or replicated (norms); k / v are
+    replicated by head when there are fewer KV heads (2) than ranks (4)."""
+    path, _ = model
+    whole = shard(path, 0, 1)
+    ranks = [shard(path, r, size) for r in range(size)]
+    kv_heads = load_family(path).text.num_kv_heads
+    for name, full in whole.items():
+        parts = [r[name] for r in ranks]
+        if all(p.shape == full.shape for p in parts):
+            if name.endswith("o_proj.bias") or name.endswith("down_proj.bias"):
+                continue  # (rank 0's alone; none in these models)
+            assert all(torch.equal(p, full) for p in parts), name
+            continue
+        dim = next(d for d in range(full.dim()) if parts[0].shape[d] != full.shape[d])
+        if (".k_proj." in name or ".v_proj." in name) and kv_heads < size:
+            # Replicated: rank r holds KV head r // (size / kv_heads).
+            heads = full.chunk(kv_heads)
+            for r, p in enumerate(parts):
+                assert torch.equal(p, heads[r * kv_heads // size]), name
+            continue
+        joined = torch.cat(parts, dim=dim).narrow(dim, 0, full.shape[dim])
+        assert torch.equal(joined, full), name
+    total = sum(p.numel() for p in whole.values())
+    sharded = sum(p.numel() for r in ranks for p in r.values())
+    assert sharded >= total  # replicated norms (and KV heads at 4 ranks) counted per rank
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_give_the_reference_tokens(model):
+    """Text, one image and two images, each as the reference decodes them, on 2 ranks."""
+    path, ref = model
+    cases = three_cases(ref)
+    engine = make_engine(path, tensor_parallel_size=2)
+    try:
+        assert engine.runner.ranks is not None and engine.runner.ranks.tp.size == 2
+        out = run(engine, *cases.values())
+    finally:
+        engine.stop()
+    for name, c in cases.items():
+        assert out[name].token_ids == c.expected, name
+
+
+@pytest.mark.timeout(300)
+def test_chunked_prefill_and_replicated_kv_heads_on_four_ranks(tmp_path):
+    """4 ranks over 2 KV heads (each replicated on two ranks), prompts prefilled 16 tokens a
+    step: an image prompt's chunks cut its embedding rows."""
+    path = make_checkpoint(tmp_path / "ckpt", "qwen2_5_vl")
+    ref = ReferenceModel(path)
+    c = case(ref, "image", "Describe this picture in detail please", [png(112, 84)])
+    text = case(ref, "text", "Once upon a time there was a long prompt " * 3)
+    engine = make_engine(path, tensor_parallel_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        out = run(engine, c, text)
+    finally:
+        engine.stop()
+    assert out["image"].token_ids == c.expected
+    assert out["text"].token_ids == text.expected
+
+
+@pytest.mark.timeout(300)
+def test_a_realtime_transcription_on_two_ranks(tmp_path):
+    """Voxtral Realtime: each decode step's audio rows reach both ranks; the transcription
+    equals transformers' generate."""
+    from lm_worker.request import Request
+    from models import MMFeature, SamplingParams
+    from models.voxtral_realtime import audio as audio_io
+    from tests.lm_helpers import Collected
+    from tests.voxtral_helpers import hf_model, hf_processor, speech_like
+
+    path = make_checkpoint(tmp_path / "vx", "voxtral_realtime")
+    family = load_family(path)
+    encoder = family.load_encoder(torch.float32, torch.device("cpu"))
+    samples = speech_like(1.4, seed=3)
+    hf = hf_processor(path)(samples, return_tensors="pt", sampling_rate=16000)
+    with torch.no_grad():
+        expected = hf_model(path).generate(**hf)[0].tolist()
+    padded = audio_io.pad_for_transcription(samples, family.streaming)
+    embeds = encoder.model(encoder.log_mel(torch.from_numpy(padded)))
+    prompt, offset, length = family.transcription_prompt(embeds.shape[0])
+    request = Request(
+        "a",
+        prompt,
+        SamplingParams(temperature=0.0),
+        [MMFeature("hash-a", offset, length, modality="audio")],
+    )
+    engine = make_engine(path, block_size=8, tensor_parallel_size=2)
+    sink = Collected()
+    try:
+        engine.validate(request)
+        engine.add_request(request, sink, {"hash-a": embeds})
+        engine.run_to_completion()
+    finally:
+        engine.stop()
+    assert prompt + sink.token_ids == expected
