@@ -59,6 +59,7 @@ def up_config(args: argparse.Namespace) -> ClusterConfig:
         "proxy.tls_key": args.tls_key,
         "connector.url": args.redis_url,
         "connector.mode": "cluster" if args.redis_cluster else None,
+        "lm.tensor_parallel_size": args.tp,
     }
     config = _config_from_args(args, overrides)
     if args.api_key_file:
@@ -229,6 +230,12 @@ def build_parser(with_benches: bool = True, with_models: bool = True) -> argpars
         help="LM workers in the prefill role (with --decode-workers: the prefill / decode split)",
     )
     up.add_argument("--decode-workers", type=int, default=0, help="LM workers in the decode role")
+    up.add_argument(
+        "--tp",
+        type=int,
+        help="each LM worker as this many processes, one per GPU, holding a shard of the LM "
+        "each (lm.tensor_parallel_size; default 1)",
+    )
     up.add_argument(
         "--redis-url",
         help="use this Redis instead of starting the embedded one (no password in it: "

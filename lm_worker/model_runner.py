@@ -316,11 +316,20 @@ class ModelRunner:
         save_layer: Callable[[int, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:  # [num_sampling, vocab]
         """`save_layer(layer, layer_kv)`: called in an eager forward as each layer's KV is in
-        the cache (the KV connector's per-layer save; a graph replay calls nothing)."""
+        the cache (the KV connector's per-layer save; a graph replay calls nothing). Rank 0
+        of a tensor-parallel worker sends the step to the other ranks first."""
+        if self.ranks is None:
+            return self._forward(inputs, mm_embeds, is_mm_embed, save_layer)
+        try:
+            self.ranks.send_step(inputs.step, mm_embeds, is_mm_embed)
+            return self._forward(inputs, mm_embeds, is_mm_embed, save_layer)
+        except Exception as e:
+            self.ranks.check(e)  # RankLost where another rank is gone
+            raise
+
+    def _forward(self, inputs, mm_embeds, is_mm_embed, save_layer) -> torch.Tensor:
         b = self.buffers
         T, padded = inputs.num_tokens, inputs.num_tokens_padded
-        if self.ranks is not None:
-            self.ranks.send_step(inputs.step, mm_embeds, is_mm_embed)
         if self.fused is not None and not mm_embeds and save_layer is None:
             # A CPU decode step of a few sequences: token ids to logits in C.
             logits = self.fused.step(

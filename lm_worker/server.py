@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 
@@ -222,6 +223,9 @@ class LanguageModelServicer(epd_pb2_grpc.LanguageModelServicer):
             kv_store=kv_store,
             kv_direct=kv_direct,
         )
+        ranks = self.engine.runner.ranks
+        if ranks is not None:  # a rank gone takes the whole worker down, at once
+            ranks.watch(_exit_on_lost_rank)
         self.engine.start()
         self.connector = AsyncECConnector(
             fingerprint=served.fingerprint, **c.connector.store_options(local_tier=True)
@@ -372,6 +376,15 @@ def _fetches_by_tier(connector: AsyncECConnector) -> dict[str, int]:
             result = "hits" if labels["result"] == "hit" else "misses"
             counts[f"ec_{labels['tier']}_{result}"] = int(sample.value)
     return counts
+
+
+def _exit_on_lost_rank(why: str) -> None:
+    """The worker cannot step without all its ranks: exit now, so that the proxy moves its
+    streams to another worker (their connections break) and `epd up` restarts it whole (the
+    other ranks exit as their pipe from this process closes)."""
+    logger.critical("%s: the LM worker exits", why)
+    logging.shutdown()
+    os._exit(1)
 
 
 async def serve(config: ClusterConfig, name: str) -> int:

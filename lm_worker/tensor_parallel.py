@@ -24,6 +24,9 @@ import logging
 import pickle
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -65,6 +68,12 @@ def make_group(store: dist.Store, rank: int, size: int, device: torch.device):
     return dist.ProcessGroupGloo(store, rank, size, GROUP_TIMEOUT)
 
 
+class RankLost(BaseException):
+    """Another rank of this worker is gone: no step can run again. A BaseException, so the
+    engine does not take it for its batch's failure (it would end the batch's requests with an
+    error, where the proxy should move them to another worker)."""
+
+
 class Ranks:
     """Rank 0's handle on the other ranks: their processes and the pipe to each."""
 
@@ -72,6 +81,32 @@ class Ranks:
         self.tp = tp
         self.procs = procs
         self.store = store  # kept alive: the ranks' rendezvous
+        self._closing = False
+
+    def watch(self, on_lost: Callable[[str], None], every: float = 0.2) -> None:
+        """Call `on_lost(why)` (once, from a thread of its own) when a rank exits: an LM
+        worker's server exits whole then. A dead peer breaks gloo's next collective at once,
+        but NCCL's would wait out its timeout: the watch does not."""
+
+        def run() -> None:
+            while not self._closing:
+                why = self.dead()
+                if why is not None:
+                    on_lost(why)
+                    return
+                time.sleep(every)
+
+        threading.Thread(target=run, name="tp-watch", daemon=True).start()
+
+    def check(self, error: BaseException) -> None:
+        """After a failed step: RankLost if a rank exited (given a moment to be seen exiting:
+        its socket closes before its process is reaped)."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            why = self.dead()
+            if why is not None:
+                raise RankLost(why) from error
+            time.sleep(0.05)
 
     def send(self, message: Any) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -93,6 +128,7 @@ class Ranks:
 
     def close(self, timeout: float = 10.0) -> None:
         """The ranks end (their stdin closed); any still running after `timeout` is killed."""
+        self._closing = True
         for proc in self.procs:
             with contextlib.suppress(OSError):
                 proc.stdin.close()

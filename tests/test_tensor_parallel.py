@@ -4,6 +4,9 @@ chunked prefill, MoE experts split across the ranks, and a realtime transcriptio
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 
@@ -128,3 +131,57 @@ def test_a_realtime_transcription_on_two_ranks(tmp_path):
     finally:
         engine.stop()
     assert prompt + sink.token_ids == expected
+
+
+def tp_ranks_of(pid: int) -> list[int]:
+    """The pids of an LM worker's other ranks (its children running lm_worker.tp_rank)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"lm_worker.tp_rank" in command:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.timeout(400)
+def test_a_rank_killed_mid_stream_fails_over_with_no_lost_stream(tmp_path, tiny_checkpoint):
+    """Two LM workers of 2 ranks each; kill -9 of rank 1 of the busier one once every stream
+    has output: that worker exits whole at once, its streams move to the other worker, and
+    12 of 12 complete with all their tokens."""
+    from tests.cluster_helpers import Cluster
+    from tests.test_chaos import MAX_TOKENS, STREAMS, busiest_lm, run_load, text_load
+
+    cluster = Cluster(
+        tmp_path,
+        tiny_checkpoint,
+        encoders=1,
+        lms=2,
+        lm={"tensor_parallel_size": 2, "max_num_seqs": 16, "embedding_timeout_seconds": 20},
+        proxy={"retries": 4},
+    )
+    killed = []
+    try:
+        for name in ("lm-0", "lm-1"):
+            assert len(tp_ranks_of(cluster.roles[name].child.proc.pid)) == 1, name
+
+        def kill_a_rank() -> None:
+            killed.append(busiest_lm(cluster))
+            (rank,) = tp_ranks_of(cluster.roles[killed[0]].child.proc.pid)
+            os.kill(rank, signal.SIGKILL)
+
+        report = run_load(cluster, "kill -9 tp rank", text_load(), kill_a_rank, when_tokens=4)
+        assert report.completed == STREAMS, (report.line(), [r.error for r in report.results])
+        assert report.migrated >= 1, report.line()
+        assert all(len(r.tokens) == MAX_TOKENS for r in report.results)
+        # The worker went down whole: rank 0 exited, its code non-zero.
+        assert cluster.roles[killed[0]].child.proc.wait(10) != 0
+    finally:
+        cluster.stop()
