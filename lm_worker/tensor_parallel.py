@@ -58,6 +58,7 @@ class RankSpec:
     store_port: int
     rank: int
     size: int
+    threads: int  # torch's threads (on a CPU, the cores are shared between the ranks)
 
 
 def make_group(store: dist.Store, rank: int, size: int, device: torch.device):
@@ -149,12 +150,16 @@ def start_ranks(lm: LMConfig, family: ModelFamily, dtype: torch.dtype) -> Ranks:
             f"lm.tensor_parallel_size {size} needs {size} GPUs; {torch.cuda.device_count()} "
             "are visible"
         )
+    threads = torch.get_num_threads()
+    if device.type == "cpu":  # each rank a share of the cores, rank 0 (this process) too
+        threads = max(threads // size, 1)
+        torch.set_num_threads(threads)
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, size, True, GROUP_TIMEOUT, wait_for_workers=False)
     procs = []
     for rank in range(1, size):
         proc = subprocess.Popen([sys.executable, "-m", "lm_worker.tp_rank"], stdin=subprocess.PIPE)
-        spec = RankSpec(lm, str(family.path), family.options, dtype, port, rank, size)
+        spec = RankSpec(lm, str(family.path), family.options, dtype, port, rank, size, threads)
         proc.stdin.write(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
         proc.stdin.flush()
         procs.append(proc)
@@ -164,5 +169,10 @@ def start_ranks(lm: LMConfig, family: ModelFamily, dtype: torch.dtype) -> Ranks:
         for proc in procs:
             proc.kill()
         raise
-    logger.info("tensor parallelism: %d ranks (pids %s)", size, [p.pid for p in procs])
+    logger.info(
+        "tensor parallelism: %d ranks (pids %s), %d torch threads each",
+        size,
+        [p.pid for p in procs],
+        threads,
+    )
     return Ranks(TensorParallel(0, size, group), procs, store)

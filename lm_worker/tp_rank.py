@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 def follow(spec: RankSpec, inbox: IO[bytes]) -> None:
     """A rank's life: join the group, build the runner on its shard, run every step rank 0
     sends, until its pipe closes."""
+    torch.set_num_threads(spec.threads)
     device = resolve_device(spec.lm.device, "lm.device")
     if device.type == "cuda":
         torch.cuda.set_device(spec.rank)

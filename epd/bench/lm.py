@@ -24,6 +24,8 @@ Both sides run in this process on the same threads, interleaved round by round:
   peak.
 `--size` picks the built-in random checkpoint: small (default), or Qwen2.5-VL-3B's or -7B's
 shapes in bf16 (written on first use, drawn on the bench's device: on a GPU in seconds).
+`--tp N` runs a second engine of ours of N tensor-parallel ranks (lm_worker/tensor_parallel.py):
+its batch 1 and streams as ratios to TP 1; on a CPU each rank gets --threads / N.
 `--eager` (CUDA) runs a second engine of ours without CUDA graphs: graphs over eager at batch 1.
 `--batch-invariant` runs a second engine of ours with `lm.batch_invariant` on, in the same
 rounds, and gives its figures as ratios to our default engine's (what batch invariance costs).
@@ -36,6 +38,7 @@ The last line is one JSON object with the figures and ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -91,6 +94,7 @@ class Ours:
         cuda_graphs: str = "auto",
         prefill_attention: str = "torch",
         longest_prompt: int = 0,
+        tensor_parallel_size: int = 1,
     ):
         family = load_family(model_dir)
         self.dtype = dtype or family.dtype
@@ -111,6 +115,7 @@ class Ours:
             batch_invariant=batch_invariant,
             cuda_graphs=cuda_graphs,
             prefill_attention=prefill_attention,
+            tensor_parallel_size=tensor_parallel_size,
             kv_cache_bytes=max(1 << 30, blocks * block * self.kv_bytes_per_token),
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(2048, max_num_seqs),
@@ -420,6 +425,17 @@ class DecodeSteps:
         }
 
 
+@contextlib.contextmanager
+def _threads(n: int):
+    """torch's threads set to `n` for a while (the TP engine's rank 0 shares the cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(n, 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -469,6 +485,20 @@ def run(args: argparse.Namespace) -> int:
             new_tokens=n,
         )
         invariant.run(1, 4)
+    tp = None
+    if args.tp > 1:
+        tp = Ours(
+            model_dir,
+            max(args.streams, 1),
+            device,
+            dtype,
+            huge_pages=args.huge_pages == "on",
+            new_tokens=n,
+            tensor_parallel_size=args.tp,
+        )
+        torch.set_num_threads(args.threads)  # (TP=1's; the ranks' share while TP runs)
+        with _threads(args.threads // args.tp if device == "cpu" else args.threads):
+            tp.run(1, 4)
     eager = None
     if args.eager:
         eager = Ours(model_dir, 1, device, dtype, cuda_graphs="off", new_tokens=n)
@@ -486,6 +516,7 @@ def run(args: argparse.Namespace) -> int:
     ours_few, hf_few = [], []
     inv_b1, inv_many, inv_few = [], [], []  # --batch-invariant
     eager_b1 = []  # --eager
+    tp_b1, tp_many = [], []  # --tp
     med = statistics.median
     for r in range(args.rounds):
         ours_b1.append((n - 1) / (_best(ours.run, 1, n) - _best(ours.run, 1, 1)))
@@ -500,6 +531,15 @@ def run(args: argparse.Namespace) -> int:
         if args.few_streams:
             ours_few.append(args.few_streams * n / ours.run(args.few_streams, n))
             hf_few.append(args.few_streams * n / hf.run(args.few_streams, n))
+        if tp is not None:
+            with _threads(args.threads // args.tp if device == "cpu" else args.threads):
+                tp_b1.append((n - 1) / (_best(tp.run, 1, n) - _best(tp.run, 1, 1)))
+                tp_many.append(args.streams * n / tp.run(args.streams, n))
+            print(
+                f"round {r + 1}: TP {args.tp} batch 1 {tp_b1[-1]:.1f} tok/s, x{args.streams} "
+                f"streams {tp_many[-1]:.1f}",
+                flush=True,
+            )
         if eager is not None:
             eager_b1.append((n - 1) / (_best(eager.run, 1, n) - _best(eager.run, 1, 1)))
             print(f"round {r + 1}: eager (no CUDA graphs) batch 1 {eager_b1[-1]:.1f} tok/s")
@@ -621,6 +661,21 @@ def run(args: argparse.Namespace) -> int:
             "few_streams_hf_tps": round(med(hf_few), 2),
             "few_streams_vs_hf": round(med(ours_few) / med(hf_few), 3),
         }
+    if tp is not None:
+        summary["tensor_parallel"] = {
+            "size": args.tp,
+            "batch1_tps": round(med(tp_b1), 2),
+            "batch1_vs_tp1": round(med(tp_b1) / med(ours_b1), 3),
+            "streams_tps": round(med(tp_many), 2),
+            "streams_vs_tp1": round(med(tp_many) / med(ours_many), 3),
+        }
+        t = summary["tensor_parallel"]
+        print(
+            f"TP {args.tp} against TP 1: batch 1 {t['batch1_vs_tp1']}x, {args.streams} streams "
+            f"{t['streams_vs_tp1']}x",
+            flush=True,
+        )
+        tp.engine.stop()
     if eager is not None:
         summary["eager_batch1_tps"] = round(med(eager_b1), 2)
         summary["graphs_vs_eager"] = round(med(ours_b1) / med(eager_b1), 3)
@@ -716,6 +771,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="torch",
         choices=["torch", "triton"],
         help="lm.prefill_attention for our engine (GPU: triton, the paged prefill kernel)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="also run an engine of ours with this many tensor-parallel ranks "
+        "(lm.tensor_parallel_size; on a CPU each rank a share of --threads); ratios to TP 1",
     )
     p.add_argument(
         "--eager",
