@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from common.device import resolve_device
 from lm_worker.loader import build_runner
-from lm_worker.tensor_parallel import GROUP_TIMEOUT, RankSpec, make_group
+from lm_worker.tensor_parallel import GROUP_TIMEOUT, RankSpec, from_wire, make_group
 from models import load_family
 from models.parallel import TensorParallel
 
@@ -39,8 +39,9 @@ def follow(spec: RankSpec, inbox: IO[bytes]) -> None:
         except EOFError:
             return
         if kind == "step":
-            step, rows, is_mm_embed = body
-            runner.forward(runner.load_step(step), rows, is_mm_embed)
+            step, rows, mask = body
+            rows = [from_wire(r) for r in rows]
+            runner.forward(runner.load_step(step), rows, None if mask is None else from_wire(mask))
 
 
 def main() -> None:
