@@ -36,7 +36,7 @@ from lm_worker.memory_plan import (
 )
 from lm_worker.model_runner import ModelRunner
 from lm_worker.scheduler import Scheduler
-from lm_worker.tensor_parallel import start_ranks
+from lm_worker.tensor_parallel import WholeHeadsCache, start_ranks
 from models import ModelFamily
 from models.family import TextDims
 from models.parallel import TensorParallel, local_kv_heads, tensor_parallel
@@ -59,10 +59,6 @@ def build_engine(
     `pad_decodes` is for tests (graph-shaped inputs run eagerly on the CPU)."""
     ranks = None
     if lm.tensor_parallel_size > 1:
-        if kv_store is not None:
-            raise RuntimeError(
-                "lm.tensor_parallel_size > 1 with a prefill / decode split is not supported yet"
-            )
         ranks = start_ranks(lm, family, dtype)
     try:
         runner, plan, kernel = build_runner(
@@ -86,8 +82,14 @@ def build_engine(
             registry,
             sender=sender,
             inbox=inbox,
-            layerwise=lm.kv_send_layerwise,
+            # Under tensor parallelism a block's heads are on every rank: it goes out whole,
+            # after the step (lm_worker/tensor_parallel.py's WholeHeadsCache).
+            layerwise=lm.kv_send_layerwise and ranks is None,
         )
+        if ranks is not None:
+            runner.connector_cache = WholeHeadsCache(
+                runner.attention.kv_cache, ranks, text.num_kv_heads
+            )
     blocks = BlockManager(plan.num_blocks, lm.block_size, lm.enable_prefix_caching)
     scheduler = Scheduler(
         blocks, lm.max_num_seqs, lm.max_num_batched_tokens, ready_tokens=ready_tokens, kv=kv

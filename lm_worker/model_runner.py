@@ -41,7 +41,7 @@ from models import LoadedEmbedding, ModelState
 from models.family import LanguageModel
 
 if TYPE_CHECKING:
-    from lm_worker.tensor_parallel import Ranks
+    from lm_worker.tensor_parallel import Ranks, WholeHeadsCache
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,9 @@ class ModelRunner:
         # Tensor parallelism: rank 0's handle on the other ranks (lm_worker/tensor_parallel.py),
         # sent each step's inputs before its forward.
         self.ranks: Ranks | None = None
+        # What the KV connector reads and writes blocks through: the KV cache, or under
+        # tensor parallelism every rank's heads of it (WholeHeadsCache).
+        self.connector_cache: WholeHeadsCache | None = None
         # Captured by `capture_graphs`, once the KV cache is allocated at its planned size.
         self.graphs: CudaGraphRunner | None = None
         self.use_graphs = use_graphs

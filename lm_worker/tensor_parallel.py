@@ -139,6 +139,13 @@ class Ranks:
         mask = None if is_mm_embed is None else to_wire(is_mm_embed)
         self.send(("step", step, rows, mask))
 
+    def receive(self, proc: subprocess.Popen) -> Any:
+        """A rank's reply (RankLost when its pipe closes instead)."""
+        try:
+            return pickle.load(proc.stdout)
+        except (EOFError, OSError) as e:
+            raise RankLost(self.dead() or "a tensor-parallel rank closed its pipe") from e
+
     def dead(self) -> str | None:
         """Which rank has exited, and how (None: all run)."""
         for r, proc in enumerate(self.procs, start=1):
@@ -177,7 +184,11 @@ def start_ranks(lm: LMConfig, family: ModelFamily, dtype: torch.dtype) -> Ranks:
     store = dist.TCPStore("127.0.0.1", port, size, True, GROUP_TIMEOUT, wait_for_workers=False)
     procs = []
     for rank in range(1, size):
-        proc = subprocess.Popen([sys.executable, "-m", "lm_worker.tp_rank"], stdin=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lm_worker.tp_rank"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,  # its KV shards, when the KV connector asks (stderr: logs)
+        )
         spec = RankSpec(lm, str(family.path), family.options, dtype, port, rank, size, threads)
         # A 1 MiB pipe (Linux's default is 64 KiB): an image's rows in far fewer writes.
         with contextlib.suppress(OSError):
@@ -198,3 +209,56 @@ def start_ranks(lm: LMConfig, family: ModelFamily, dtype: torch.dtype) -> Ranks:
         threads,
     )
     return Ranks(TensorParallel(0, size, group), procs, store)
+
+
+def kv_heads_of(rank: int, size: int, num_kv_heads: int) -> range:
+    """The KV heads rank `rank` holds (models/parallel.py's split: a share each, or one head
+    replicated on size / num_kv_heads ranks)."""
+    if num_kv_heads >= size:
+        per = num_kv_heads // size
+        return range(rank * per, (rank + 1) * per)
+    head = rank * num_kv_heads // size
+    return range(head, head + 1)
+
+
+class WholeHeadsCache:
+    """The KV cache of every rank as the KV connector sees one cache: blocks with all the KV
+    heads. `index_select` gathers the blocks' heads from every rank (the others reply over
+    their pipes), `index_copy_` hands each rank its heads of them (before the step that reads
+    them: the ranks take their messages in order). So a prefill worker of N ranks and a decode
+    worker of M ranks exchange the same blocks as single-process workers do."""
+
+    def __init__(self, cache: torch.Tensor, ranks: Ranks, num_kv_heads: int):
+        self.cache = cache  # rank 0's shard: [L, 2, blocks, block_size, local kv heads, d]
+        self.ranks = ranks
+        self.size = ranks.tp.size
+        self.heads = [kv_heads_of(r, self.size, num_kv_heads) for r in range(self.size)]
+        self.device, self.dtype = cache.device, cache.dtype
+        L, two, blocks, bs, _, d = cache.shape
+        self.shape = torch.Size((L, two, blocks, bs, num_kv_heads, d))
+        # For each head, the first rank holding it.
+        self.holder = {h: r for r in reversed(range(self.size)) for h in self.heads[r]}
+
+    def index_select(self, dim: int, ids: torch.Tensor) -> torch.Tensor:
+        assert dim == 2, "the KV connector selects blocks"
+        self.ranks.send(("kv_out", ids.cpu().tolist()))
+        parts = {0: self.cache.index_select(2, ids).cpu()}
+        for r, proc in enumerate(self.ranks.procs, start=1):
+            parts[r] = from_wire(self.ranks.receive(proc))
+        return torch.cat(
+            [parts[self.holder[h]][:, :, :, :, [self.heads[self.holder[h]].index(h)]]
+             for h in range(self.shape[4])],
+            dim=4,
+        ).to(self.device)  # fmt: skip
+
+    def index_copy_(self, dim: int, ids: torch.Tensor, data: torch.Tensor) -> WholeHeadsCache:
+        assert dim == 2, "the KV connector copies blocks in"
+        for r, proc in enumerate(self.ranks.procs, start=1):
+            heads = self.heads[r]
+            mine = to_wire(data[:, :, :, :, heads.start : heads.stop])
+            message = ("kv_in", ids.cpu().tolist(), mine)
+            proc.stdin.write(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+            proc.stdin.flush()
+        heads = self.heads[0]
+        self.cache.index_copy_(2, ids.to(self.device), data[:, :, :, :, heads.start : heads.stop])
+        return self

@@ -14,16 +14,16 @@ import torch.distributed as dist
 
 from common.device import resolve_device
 from lm_worker.loader import build_runner
-from lm_worker.tensor_parallel import GROUP_TIMEOUT, RankSpec, from_wire, make_group
+from lm_worker.tensor_parallel import GROUP_TIMEOUT, RankSpec, from_wire, make_group, to_wire
 from models import load_family
 from models.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
 
-def follow(spec: RankSpec, inbox: IO[bytes]) -> None:
+def follow(spec: RankSpec, inbox: IO[bytes], outbox: IO[bytes]) -> None:
     """A rank's life: join the group, build the runner on its shard, run every step rank 0
-    sends, until its pipe closes."""
+    sends (and the KV connector's block copies in and out), until its pipe closes."""
     torch.set_num_threads(spec.threads)
     device = resolve_device(spec.lm.device, "lm.device")
     if device.type == "cuda":
@@ -33,12 +33,23 @@ def follow(spec: RankSpec, inbox: IO[bytes]) -> None:
     tp = TensorParallel(spec.rank, spec.size, group)
     family = load_family(spec.model_path, spec.options)
     runner, _, _ = build_runner(spec.lm, family, spec.dtype, tp=tp)
+    cache = runner.attention.kv_cache
     while True:
         try:
             kind, *body = pickle.load(inbox)
         except EOFError:
             return
-        if kind == "step":
+        if kind == "kv_out":  # the KV connector saves blocks: this rank's heads of them
+            (ids,) = body
+            out = to_wire(cache.index_select(2, torch.as_tensor(ids, device=cache.device)))
+            outbox.write(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+            outbox.flush()
+        elif kind == "kv_in":  # blocks from elsewhere: this rank's heads, before the step
+            ids, data = body
+            cache.index_copy_(
+                2, torch.as_tensor(ids, device=cache.device), from_wire(data).to(cache.device)
+            )
+        elif kind == "step":
             step, rows, mask = body
             rows = [from_wire(r) for r in rows]
             runner.forward(runner.load_step(step), rows, None if mask is None else from_wire(mask))
@@ -49,12 +60,16 @@ def main() -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s tp-rank %(name)s: %(message)s"
     )
     inbox = sys.stdin.buffer
+    # Replies go to rank 0 on the stdout it gave this process; anything else printed there
+    # (a library's print) would corrupt them: file descriptor 1 goes to stderr instead.
+    outbox = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
     try:
         spec = pickle.load(inbox)
     except EOFError:
         return
     try:
-        follow(spec, inbox)
+        follow(spec, inbox, outbox)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", spec.rank)
         os._exit(1)

@@ -58,7 +58,8 @@ def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> byt
 class Cluster:
     """`store`: a Redis the test started (an EmbeddedCluster, say), with `connector` settings
     to reach it in `sections`; by default the cluster starts (and stops) its own. `lms`: LM
-    workers (lm-0, lm-1, ...); `lm_roles`: their lm.role, one each (default: all both)."""
+    workers (lm-0, lm-1, ...); `lm_roles`: their lm.role, one each (default: all both);
+    `lm_env`: environment variables of each (EPD_LM_TENSOR_PARALLEL_SIZE, say)."""
 
     def __init__(
         self,
@@ -68,6 +69,7 @@ class Cluster:
         store=None,
         lms: int = 1,
         lm_roles: tuple[str, ...] = (),
+        lm_env: tuple[dict[str, str], ...] = (),
         **sections,
     ):
         self.workdir = workdir
@@ -105,8 +107,10 @@ class Cluster:
             self.start("encoder", f"encoder-{i}", address)
         self.lm_roles = tuple(lm_roles) or ("both",) * lms
         assert len(self.lm_roles) == lms, "one role per LM worker"
+        lm_env = tuple(lm_env) or ({},) * lms
         for i, address in enumerate(self.lm_addresses):
-            self.start("lm", f"lm-{i}", address, env={"EPD_LM_ROLE": self.lm_roles[i]})
+            env = {"EPD_LM_ROLE": self.lm_roles[i], **lm_env[i]}
+            self.start("lm", f"lm-{i}", address, env=env)
         self.start("proxy", "proxy", f"127.0.0.1:{self.proxy_grpc}")
         for role in self.roles.values():
             role.wait_status("SERVING", timeout=120)

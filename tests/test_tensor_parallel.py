@@ -185,3 +185,47 @@ def test_a_rank_killed_mid_stream_fails_over_with_no_lost_stream(tmp_path, tiny_
         assert cluster.roles[killed[0]].child.proc.wait(10) != 0
     finally:
         cluster.stop()
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("prefill_tp, decode_tp, connector", [(2, 1, "shared"), (1, 2, "direct")])
+def test_prefill_and_decode_workers_of_different_sizes_exchange_kv(
+    tmp_path, tiny_checkpoint, tiny_ref, prefill_tp, decode_tp, connector
+):
+    """A block goes between workers with all its KV heads, gathered from the prefill worker's
+    ranks and handed to the decode worker's in their shares: 2 ranks hand over to 1 through
+    the Redis tier, 1 to 2 straight to the decode worker; text, one and two images (chunked
+    on the prefill worker) equal the reference."""
+    from tests.cluster_helpers import Cluster, image_bytes
+    from tests.test_pd_cluster import expected, wait_roles
+
+    sizes = (prefill_tp, decode_tp)
+    cluster = Cluster(
+        tmp_path,
+        tiny_checkpoint,
+        encoders=1,
+        lms=2,
+        lm_roles=("prefill", "decode"),
+        lm_env=tuple({"EPD_LM_TENSOR_PARALLEL_SIZE": str(n)} for n in sizes),
+        lm={
+            "block_size": 8,
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 16,
+            "kv_connector": connector,
+        },
+    )
+    try:
+        wait_roles(cluster, count=2)
+        for name, n in zip(("lm-0", "lm-1"), sizes, strict=True):
+            assert len(tp_ranks_of(cluster.roles[name].child.proc.pid)) == n - 1, name
+        for text, images in (
+            ("Tell me a story about the sea", ()),
+            ("What is in this picture?", (image_bytes(64, 48, 7),)),
+            ("Compare the two", (image_bytes(56, 56, 8), image_bytes(48, 80, 9))),
+        ):
+            tokens, last = cluster.generate(text, images, max_tokens=6)
+            assert tokens == expected(tiny_ref, text, images, max_tokens=6), text
+            # The decode worker took the whole prompt's KV from the prefill worker.
+            assert last.usage.cached_prompt_tokens == last.usage.prompt_tokens
+    finally:
+        cluster.stop()
