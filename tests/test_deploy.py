@@ -47,7 +47,7 @@ K8S = DEPLOY / "k8s"
 ROLES = ("proxy", "encoder", "lm")
 # preStop sleep (beta, on by default) needs 1.30; the newest schemas kubernetes-validate ships.
 K8S_VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())
-GPU_RENDERS = {"overlays/gpu", "overlays/external-redis"}
+GPU_RENDERS = {"overlays/gpu", "overlays/external-redis", "overlays/gpu-tp"}
 
 
 def yaml_files() -> list[Path]:
@@ -124,13 +124,57 @@ def interpolate(value, environ: dict[str, str]):
     return value
 
 
+class Overridden:
+    """A value tagged `!override` in a compose file: it replaces the base's, never merges."""
+
+
+class OverriddenList(Overridden, list):
+    pass
+
+
+class OverriddenDict(Overridden, dict):
+    pass
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """yaml.safe_load plus compose's `!override` tag."""
+
+
+def _construct_override(loader: ComposeLoader, node: yaml.Node):
+    if isinstance(node, yaml.SequenceNode):
+        return OverriddenList(loader.construct_sequence(node, deep=True))
+    if isinstance(node, yaml.MappingNode):
+        return OverriddenDict(loader.construct_mapping(node, deep=True))
+    return loader.construct_scalar(node)
+
+
+ComposeLoader.add_constructor("!override", _construct_override)
+
+
+def load_compose_file(path: Path) -> dict:
+    return yaml.load(path.read_text(), Loader=ComposeLoader)
+
+
+# The sequences an override file replaces (compose's exceptions); it appends to every other.
+REPLACED_SEQUENCES = {"command", "entrypoint", "test"}
+
+
 def merge(base: dict, override: dict) -> dict:
-    """An override file over a base, as compose merges the keys used here (mappings merge,
-    everything else is replaced)."""
+    """An override file over a base, as compose merges the keys used here: mappings merge,
+    sequences append (strings already there are not repeated: secrets, ports, expose), but
+    command, entrypoint and healthcheck.test, like anything tagged `!override`, are replaced,
+    and so are scalars."""
     out = copy.deepcopy(base)
     for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
+        old = out.get(key)
+        if isinstance(value, Overridden):
+            out[key] = list(value) if isinstance(value, list) else dict(value)
+        elif isinstance(value, dict) and isinstance(old, dict):
+            out[key] = merge(old, value)
+        elif isinstance(value, list) and isinstance(old, list) and key not in REPLACED_SEQUENCES:
+            out[key] = old + [
+                copy.deepcopy(v) for v in value if not (isinstance(v, str) and v in old)
+            ]
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -143,10 +187,22 @@ def duration_seconds(text: str) -> float:
     return sum(float(a) * scale[b] for a, b in parts)
 
 
+def byte_size(value) -> int:
+    """Docker's sizes (shm_size): bytes, or a number with b, k, m, g, t (1024-based)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?) ?([kmgt]?)i?b?", str(value).strip(), re.I)
+    assert m, f"bad size {value!r}"
+    return int(float(m[1]) * 1024 ** "_kmgt".index(m[2].lower() or "_"))
+
+
+# NCCL keeps its buffers between the ranks of a tensor-parallel LM worker in /dev/shm: Docker's
+# 64 MB default is too small. The smallest /dev/shm the checks accept.
+MIN_SHM_BYTES = 1 << 30
+
+
 def load_compose(*names: str) -> dict:
     merged: dict = {}
     for name in names:
-        merged = merge(merged, yaml.safe_load((COMPOSE / name).read_text()))
+        merged = merge(merged, load_compose_file(COMPOSE / name))
     return merged
 
 
@@ -278,6 +334,16 @@ def compose_problems(data: dict, compose_dir: Path = COMPOSE, gpu: bool = False)
         gpus = [d for d in reservations.get("devices", []) if d.get("driver") == "nvidia"]
         if gpu and role != "proxy" and not any("gpu" in d.get("capabilities", []) for d in gpus):
             problems.append(f"{where}: no NVIDIA GPU reserved")
+        elif gpu and role != "proxy":
+            # An LM worker runs lm.tensor_parallel_size ranks, rank r on cuda:r; an encoder one.
+            want = config.lm.tensor_parallel_size if role == "lm" else 1
+            count = reserved_gpus(gpus)
+            if count != want:
+                many = "all the" if count is None else count
+                problems.append(f"{where}: reserves {many} GPUs, runs on {want}")
+            shm = byte_size(service.get("shm_size", "64m"))
+            if want > 1 and shm < MIN_SHM_BYTES:
+                problems.append(f"{where}: shm_size {shm} bytes, too small for NCCL's buffers")
         if (not gpu or role == "proxy") and gpus:
             problems.append(f"{where}: reserves a GPU it does not use")
         dockerfile = service.get("build", {}).get("dockerfile", "")
@@ -289,6 +355,19 @@ def compose_problems(data: dict, compose_dir: Path = COMPOSE, gpu: bool = False)
     return problems
 
 
+def reserved_gpus(devices: list[dict]) -> int | None:
+    """How many GPUs compose device reservations give a container (None: all of the host's)."""
+    total = 0
+    for device in devices:
+        if "device_ids" in device:
+            total += len(device["device_ids"])
+        elif str(device.get("count", "all")).lower() == "all":
+            return None
+        else:
+            total += int(device["count"])
+    return total
+
+
 def role_port_and_drain(config: ClusterConfig, role: str) -> tuple[int, float]:
     if role == "proxy":
         return config.proxy.grpc_port, config.proxy.drain_timeout_seconds
@@ -296,9 +375,9 @@ def role_port_and_drain(config: ClusterConfig, role: str) -> tuple[int, float]:
     return parse_address(section.listen)[1], section.drain_timeout_seconds
 
 
-@pytest.mark.parametrize("name", ["compose.yaml", "compose.cuda.yaml"])
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.cuda.yaml", "compose.tp.yaml"])
 def test_each_compose_file_matches_the_compose_schema(name):
-    data = yaml.safe_load((COMPOSE / name).read_text())
+    data = load_compose_file(COMPOSE / name)
     assert schema_problems(data, compose_schema(), name) == []
 
 
@@ -308,6 +387,71 @@ def test_compose_cpu():
 
 def test_compose_cuda_override():
     assert compose_problems(load_compose("compose.yaml", "compose.cuda.yaml"), gpu=True) == []
+
+
+TP_FILES = ("compose.yaml", "compose.cuda.yaml", "compose.tp.yaml")
+
+
+def test_compose_tp_override():
+    """Tensor-parallel LM workers: the `lm` container gets TP GPUs (instead of the CUDA
+    override's one, not besides it), lm.tensor_parallel_size TP and a big /dev/shm; the
+    encoders and the proxy stay as the CUDA override has them."""
+    data = load_compose(*TP_FILES)
+    assert compose_problems(data, gpu=True) == []
+    cuda = interpolate(load_compose("compose.yaml", "compose.cuda.yaml"), {})
+    for tp in ("2", "4"):
+        environ = {} if tp == "2" else {"TP": tp}  # 2: the default
+        services = interpolate(data, environ)["services"]
+        assert compose_problems(interpolate(data, environ), gpu=True) == []
+        lm = services["lm"]
+        (device,) = lm["deploy"]["resources"]["reservations"]["devices"]
+        assert (device["driver"], device["count"], device["capabilities"]) == (
+            "nvidia",
+            tp,
+            ["gpu"],
+        )
+        assert lm["environment"]["EPD_LM_TENSOR_PARALLEL_SIZE"] == tp
+        host, _ = mounted_config(lm, COMPOSE)
+        config = load_config(host, environ={k: str(v) for k, v in lm["environment"].items()})
+        assert config.lm.tensor_parallel_size == int(tp)
+        assert byte_size(lm["shm_size"]) >= MIN_SHM_BYTES
+        before = cuda["services"]["lm"]
+        assert lm["environment"] == {**before["environment"], "EPD_LM_TENSOR_PARALLEL_SIZE": tp}
+        changed = ("deploy", "environment", "shm_size")
+        assert {k: v for k, v in lm.items() if k not in changed} == {
+            k: v for k, v in before.items() if k not in changed
+        }
+        for name in ("encoder", "proxy", "redis"):
+            assert services[name] == cuda["services"][name], name
+
+    def broken(change) -> list[str]:
+        bad = copy.deepcopy(data)
+        change(bad["services"]["lm"])
+        return compose_problems(bad, gpu=True)
+
+    def one_gpu(lm):
+        lm["deploy"]["resources"]["reservations"]["devices"][0]["count"] = 1
+
+    def small_shm(lm):
+        del lm["shm_size"]
+
+    def tp_unset(lm):
+        del lm["environment"]["EPD_LM_TENSOR_PARALLEL_SIZE"]
+
+    expect = {
+        one_gpu: "reserves 1 GPUs, runs on 2",
+        small_shm: "shm_size",
+        tp_unset: "reserves 2 GPUs, runs on 1",
+    }
+    for change, words in expect.items():
+        problems = broken(change)
+        assert any(words in p for p in problems), (change.__name__, problems)
+
+    # Without `!override` compose appends the reservation to compose.cuda.yaml's one GPU.
+    plain = yaml.safe_load((COMPOSE / "compose.tp.yaml").read_text().replace("!override", ""))
+    appended = merge(load_compose("compose.yaml", "compose.cuda.yaml"), plain)
+    assert len(appended["services"]["lm"]["deploy"]["resources"]["reservations"]["devices"]) == 2
+    assert any("reserves 3 GPUs" in p for p in compose_problems(appended, gpu=True))
 
 
 def redis_cluster_compose_problems(data: dict) -> list[str]:
@@ -379,6 +523,59 @@ def test_kubernetes_pd_overlay():
         assert spec["selector"]["matchLabels"]["epd.dev/lm-role"] == role
         assert spec["template"]["metadata"]["labels"]["epd.dev/lm-role"] == role
     assert roles == {"Deployment/epd-lm": "decode", "Deployment/epd-lm-prefill": "prefill"}
+
+
+def lm_container(docs: list[dict]) -> dict:
+    (dep,) = [d for d in docs if name_of(d) == "Deployment/epd-lm"]
+    return dep["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_kubernetes_gpu_tp_overlay():
+    """overlays/gpu-tp: epd-lm asks for N GPUs, runs N ranks (the same N in
+    EPD_LM_TENSOR_PARALLEL_SIZE) and mounts a memory-backed /dev/shm; everything else is the gpu
+    overlay's, the encoders' one GPU included."""
+    docs = render("overlays/gpu-tp")
+    gpu = {name_of(d): d for d in render("overlays/gpu")}
+    lm = lm_container(docs)
+    n = lm["resources"]["limits"]["nvidia.com/gpu"]
+    assert n == 2
+    assert container_env(lm)["EPD_LM_TENSOR_PARALLEL_SIZE"]["value"] == str(n)
+    pod = next(d for d in docs if name_of(d) == "Deployment/epd-lm")["spec"]["template"]
+    assert config_of(docs, pod["spec"], lm).lm.tensor_parallel_size == n
+    (shm,) = [m for m in lm["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
+    assert {name_of(d) for d in docs} == set(gpu)
+    for doc in docs:
+        if name_of(doc) != "Deployment/epd-lm":
+            assert doc == gpu[name_of(doc)], name_of(doc)
+    for role in ("encoder", "proxy"):
+        dep = next(d for d in docs if name_of(d) == f"Deployment/epd-{role}")
+        limits = dep["spec"]["template"]["spec"]["containers"][0]["resources"].get("limits", {})
+        assert limits.get("nvidia.com/gpu") == (1 if role == "encoder" else None), role
+
+    def broken(change) -> list[str]:
+        bad = copy.deepcopy(docs)
+        change(lm_container(bad))
+        return k8s_problems(bad, gpu=True)
+
+    def one_gpu(c):
+        c["resources"]["limits"]["nvidia.com/gpu"] = 1
+
+    def no_shm(c):
+        c["volumeMounts"] = [m for m in c["volumeMounts"] if m["mountPath"] != "/dev/shm"]
+
+    def tp_unset(c):
+        c["env"] = [e for e in c["env"] if e["name"] != "EPD_LM_TENSOR_PARALLEL_SIZE"]
+
+    expect = {
+        one_gpu: "requests 1 nvidia.com/gpu, runs on 2",
+        no_shm: "/dev/shm",
+        tp_unset: "requests 2 nvidia.com/gpu, runs on 1",
+    }
+    for change, words in expect.items():
+        problems = broken(change)
+        assert any(words in p for p in problems), (change.__name__, problems)
 
 
 def test_compose_redis_cluster_override():
@@ -642,6 +839,19 @@ def k8s_problems(docs: list[dict], gpu: bool) -> list[str]:
         gpus = container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
         if gpu and role != "proxy" and not gpus:
             problems.append(f"{where}: requests no nvidia.com/gpu")
+        elif gpu and role != "proxy":
+            # An LM worker runs lm.tensor_parallel_size ranks, rank r on cuda:r; an encoder one.
+            want = config.lm.tensor_parallel_size if role == "lm" else 1
+            if int(gpus) != want:
+                problems.append(f"{where}: requests {gpus} nvidia.com/gpu, runs on {want}")
+            shm = [
+                m
+                for m in container.get("volumeMounts", [])
+                if m["mountPath"] == "/dev/shm"
+                and volumes.get(m["name"], {}).get("emptyDir", {}).get("medium") == "Memory"
+            ]
+            if want > 1 and not shm:
+                problems.append(f"{where}: no memory-backed emptyDir at /dev/shm for NCCL")
         if (not gpu or role == "proxy") and gpus:
             problems.append(f"{where}: requests a GPU it does not use")
         if spec.get("securityContext", {}).get("runAsNonRoot") is not True:
