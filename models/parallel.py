@@ -86,20 +86,6 @@ def local_kv_heads(num_kv_heads: int, size: int) -> int:
     return max(num_kv_heads // size, 1)
 
 
-def check_shardable(num_heads: int, num_kv_heads: int, sizes: dict[str, int], size: int) -> None:
-    """ValueError naming what does not split `size` ways."""
-    if num_heads % size:
-        raise ValueError(f"{num_heads} attention heads do not split over {size} ranks")
-    if num_kv_heads % size and size % num_kv_heads:
-        raise ValueError(
-            f"{num_kv_heads} KV heads neither split over {size} ranks nor divide them (to be "
-            "replicated)"
-        )
-    for name, n in sizes.items():
-        if n % size:
-            raise ValueError(f"{name} {n} does not split over {size} ranks")
-
-
 class VocabParallelEmbedding(nn.Module):
     """The embedding rows of one vocabulary range: ids outside it give zeros, and the ranks'
     rows add up to the whole lookup."""
@@ -172,6 +158,13 @@ def shard_language_model(model: nn.Module) -> dict[str, Slice]:
 
 def _shard_attention(attn: nn.Module, name: str, r: int, n: int, slices: dict) -> None:
     d = attn.head_dim if hasattr(attn, "head_dim") else attn.q_proj.out_features // attn.num_heads
+    if attn.num_heads % n:
+        raise ValueError(f"{attn.num_heads} attention heads do not split over {n} ranks")
+    if attn.num_kv_heads % n and n % attn.num_kv_heads:
+        raise ValueError(
+            f"{attn.num_kv_heads} KV heads neither split over {n} ranks nor divide them (to be "
+            "replicated)"
+        )
     heads, kv = attn.num_heads // n, local_kv_heads(attn.num_kv_heads, n)
     # Rank r's KV heads: its share, or the one its query heads read where they are replicated.
     kv_start = r * kv if attn.num_kv_heads >= n else r * attn.num_kv_heads // n
@@ -191,6 +184,10 @@ def _shard_attention(attn: nn.Module, name: str, r: int, n: int, slices: dict) -
 
 
 def _shard_mlp(mlp: nn.Module, name: str, r: int, n: int, slices: dict) -> None:
+    if mlp.gate_proj.out_features % n:
+        raise ValueError(
+            f"the MLP's width {mlp.gate_proj.out_features} does not split over {n} ranks"
+        )
     width = mlp.gate_proj.out_features // n
     for proj in ("gate_proj", "up_proj"):
         old = getattr(mlp, proj)

@@ -229,3 +229,9 @@ def test_prefill_and_decode_workers_of_different_sizes_exchange_kv(
             assert last.usage.cached_prompt_tokens == last.usage.prompt_tokens
     finally:
         cluster.stop()
+
+
+def test_a_model_that_does_not_split_is_refused_by_name(model):
+    path, _ = model
+    with pytest.raises(ValueError, match="4 attention heads do not split over 3 ranks"):
+        shard(path, 0, 3)
