@@ -276,6 +276,10 @@ struct epd_decoder {
     /* Its MoE layers' sizes (0 experts: none): top_k experts a token, renormalised when
        norm_topk. */
     long num_experts, top_k, moe_intermediate, norm_topk;
+    /* Tensor parallelism (models/parallel.py): this process holds a shard of every layer (its
+       heads, its part of the MLP), and after o and after down the ranks' partial sums are added
+       in place over `n` floats by this call (into Python's process group); NULL: whole. */
+    void (*all_reduce)(float *x, long n);
 };
 
 /* The step's tokens: S of them; token s belongs to the sequence whose block table is row
@@ -502,6 +506,7 @@ static int decode(const struct epd_decoder *m, const struct epd_seqs *seqs, cons
         }
         attend(m, layer, seqs, slot_table, qkv, longest, scores, att, threads);
         PRODUCTS_OF(S, layer->o_w, att, NULL, h, n, heads * d);
+        if (m->all_reduce) m->all_reduce(h, S * n);
         for (long i = 0; i < S * n; i++) x[i] = rnd(rnd(h[i], bf16) + x[i], bf16);
         for (long s = 0; s < S; s++) rms_norm(x + s * n, layer->norm2, h + s * n, n, m->eps, bf16);
         if (layer->router_w) { /* a sparse MoE layer: each token its own experts */
@@ -519,6 +524,7 @@ static int decode(const struct epd_decoder *m, const struct epd_seqs *seqs, cons
         for (long s = 0; s < S; s++) /* down's input rows: each sequence's g, packed */
             memmove(gate_up + s * inter, gate_up + s * 2 * inter, inter * sizeof *x);
         PRODUCTS_OF(S, layer->down_w, gate_up, NULL, h, n, inter);
+        if (m->all_reduce) m->all_reduce(h, S * n);
         for (long i = 0; i < S * n; i++) x[i] = rnd(rnd(h[i], bf16) + x[i], bf16);
     }
     for (long s = 0; s < S; s++) rms_norm(x + s * n, m->final_norm, h + s * n, n, m->eps, bf16);

@@ -71,7 +71,21 @@ class _Decoder(ctypes.Structure):  # struct epd_decoder
         *((name, ctypes.c_long) for name in (
             "num_experts", "top_k", "moe_intermediate", "norm_topk"
         )),
+        ("all_reduce", ctypes.c_void_p),  # void (*)(float *, long), or NULL
     ]  # fmt: skip
+
+
+_AllReduce = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_float), ctypes.c_long)
+
+
+def _all_reduce_callback(tp) -> _AllReduce:
+    """The C layers' all-reduce (a sharded model's, models/parallel.py): the floats at the
+    pointer, added over the ranks in place."""
+
+    def call(pointer, n: int) -> None:
+        tp.all_reduce(torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(n,))))
+
+    return _AllReduce(call)
 
 
 class _Seqs(ctypes.Structure):  # struct epd_seqs
@@ -123,9 +137,14 @@ class FusedDecode:
         self._freq_axis = torch.tensor(w.freq_axis, dtype=torch.int32)
         dtype = w.final_norm.dtype
         ends = (w.embed, w.head)
+        tp = getattr(model, "tensor_parallel", None)
+        # Tensor parallelism: the C layers add the ranks' sums through Python's group, and
+        # the vocabulary-parallel ends stay the model's (their own collectives).
+        self._all_reduce = _all_reduce_callback(tp) if tp is not None else None
         # A whole step (`logits`) where both ends are there as the layers' weights are.
         self.whole_step = (
-            all(
+            tp is None
+            and all(
                 t is not None and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
                 for t in ends
             )
@@ -154,6 +173,7 @@ class FusedDecode:
             w.top_k,
             w.moe_intermediate,
             w.norm_topk,
+            ctypes.cast(self._all_reduce, ctypes.c_void_p) if self._all_reduce else None,
         )
         # The pointers above are into these tensors: they live as long as this object.
         self._tensors = [w, cache, self._inv_freq, self._freq_axis]
@@ -344,8 +364,6 @@ def _described(model: nn.Module, attention: PagedAttention) -> DecoderWeights | 
     lib, why = c_library()
     if lib is None:
         return why
-    if getattr(model, "tensor_parallel", None) is not None:
-        return "the model is sharded (tensor parallelism): its layers need all-reduces"
     describe = getattr(model, "decoder_weights", None)
     if describe is None:
         return f"{type(model).__name__} does not describe its decoder (decoder_weights)"
@@ -366,6 +384,8 @@ def _described(model: nn.Module, attention: PagedAttention) -> DecoderWeights | 
         if (layer.q_norm is None) != (layer.k_norm is None):
             return "a layer normalises q or k per head but not both"
         moe = layer.router is not None
+        if moe and getattr(model, "tensor_parallel", None) is not None:
+            return "its MoE experts are split over tensor-parallel ranks (the C routes to all)"
         if moe and (w.num_experts < 1 or not 1 <= w.top_k <= min(w.num_experts, 64)):
             return "its MoE sizes do not fit (experts, top_k <= 64)"
         optional = {"qkv_bias", "q_norm", "k_norm"} | (

@@ -199,7 +199,15 @@ def build_runner(
         if why:
             raise RuntimeError(f"lm.batch_invariant cannot run here: {why}")
         runner.invariant = InvariantForward(model, attention)
-    elif device.type == "cpu" and tp is None:  # (one C call for all layers: no collectives)
+    elif device.type == "cpu" and tp is not None and lm.cpu_fused_decode != "off":
+        # Every rank alike, untimed: a timed choice could differ between ranks (their
+        # collectives are the same either way, but the cache of choices is shared).
+        why = why_not_fused(model, attention)
+        if why and lm.cpu_fused_decode == "on":
+            raise RuntimeError(f"lm.cpu_fused_decode is on but cannot run here: {why}")
+        if not why:
+            runner.fused = FusedDecode(model, attention)
+    elif device.type == "cpu":
         _choose_fused_decode(lm, runner)
     return runner, plan, kernel
 

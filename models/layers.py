@@ -217,14 +217,16 @@ def describe_merged_decoder(lm) -> DecoderWeights | str:
             )
         )
     c = lm.config
+    attn = lm.layers[0].self_attn  # its heads: a tensor-parallel rank's share (models/parallel)
+    dense = next((layer.mlp for layer in lm.layers if hasattr(layer.mlp, "gate_up_proj")), None)
     return DecoderWeights(
         layers,
         lm.norm.weight,
         lm.norm.eps,
-        c.num_heads,
-        c.num_kv_heads,
+        attn.num_heads,
+        attn.num_kv_heads,
         c.head_dim,
-        c.intermediate_size,
+        dense.gate_up_proj.out_features // 2 if dense is not None else c.intermediate_size,
         lm.rotary.inv_freq.float(),
         lm.rotary.freq_axis,
         lm.embed_tokens.weight,

@@ -72,6 +72,9 @@ def test_two_ranks_give_the_reference_tokens(model):
     engine = make_engine(path, tensor_parallel_size=2)
     try:
         assert engine.runner.ranks is not None and engine.runner.ranks.tp.size == 2
+        # Decode steps in the fused C layers, all-reducing through the group (not with the
+        # MoE's experts split: the C routes over all of them).
+        assert (engine.runner.fused is not None) == ("moe" not in path.name)
         out = run(engine, *cases.values())
     finally:
         engine.stop()
