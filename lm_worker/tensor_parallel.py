@@ -208,7 +208,7 @@ def start_ranks(lm: LMConfig, family: ModelFamily, dtype: torch.dtype) -> Ranks:
         [p.pid for p in procs],
         threads,
     )
-    return Ranks(TensorParallel(0, size, group), procs, store)
+    return Ranks(TensorParallel(0, size, group, device), procs, store)
 
 
 def kv_heads_of(rank: int, size: int, num_kv_heads: int) -> range:

@@ -30,7 +30,12 @@ def follow(spec: RankSpec, inbox: IO[bytes], outbox: IO[bytes]) -> None:
         torch.cuda.set_device(spec.rank)
     store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, False, GROUP_TIMEOUT)
     group = make_group(store, spec.rank, spec.size, device)
-    tp = TensorParallel(spec.rank, spec.size, group)
+    tp = TensorParallel(
+        spec.rank,
+        spec.size,
+        group,
+        torch.device("cuda", spec.rank) if device.type == "cuda" else device,
+    )
     family = load_family(spec.model_path, spec.options)
     runner, _, _ = build_runner(spec.lm, family, spec.dtype, tp=tp)
     cache = runner.attention.kv_cache

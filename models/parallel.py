@@ -40,6 +40,7 @@ class TensorParallel:
     rank: int
     size: int
     group: dist.ProcessGroup
+    device: str | torch.device = "cpu"  # where its collectives' tensors live (NCCL: cuda:rank)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """In place: the sum over the ranks."""
@@ -48,7 +49,7 @@ class TensorParallel:
 
     def all_reduce_min(self, values: list[int]) -> list[int]:
         """Each value's minimum over the ranks."""
-        t = torch.tensor(values, dtype=torch.int64)
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
         self.group.allreduce([t], options).wait()
