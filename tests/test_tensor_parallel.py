@@ -238,3 +238,44 @@ def test_a_model_that_does_not_split_is_refused_by_name(model):
     path, _ = model
     with pytest.raises(ValueError, match="4 attention heads do not split over 3 ranks"):
         shard(path, 0, 3)
+
+
+def test_a_vocabulary_that_does_not_split_evenly_is_padded():
+    """511 tokens over 2 ranks (a gloo group of two threads): 256 rows each, the last one's
+    padding row zeros; the lookup and the logits equal the whole matrix's, the padding cut."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from common.process import free_port
+    from models.parallel import VocabParallelEmbedding, VocabParallelHead
+
+    vocab, dim = 511, 8
+    full = torch.randn(vocab, dim)
+    padded = torch.cat([full, torch.zeros(1, dim)])
+    ids = torch.tensor([0, 255, 256, 510, 7])
+    hidden = torch.randn(3, dim)
+    port, results, errors = free_port(), {}, []
+
+    def rank(r: int) -> None:
+        try:
+            store = dist.TCPStore("127.0.0.1", port, 2, r == 0, timedelta(seconds=30))
+            tp = TensorParallel(r, 2, dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=30)))
+            embed, head = VocabParallelEmbedding(tp, vocab, dim), VocabParallelHead(tp, vocab, dim)
+            assert embed.weight.shape == head.weight.shape == (256, dim)
+            embed.weight.data = head.weight.data = padded[r * 256 : (r + 1) * 256]
+            with torch.no_grad():
+                results[r] = (embed(ids), head(hidden))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for rows, logits in results.values():
+        torch.testing.assert_close(rows, full[ids])
+        torch.testing.assert_close(logits, hidden @ full.T)
