@@ -21,10 +21,11 @@ same buffers and the same code run eagerly without padding.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
@@ -83,6 +84,20 @@ class StepArrays:
     prefill_seq_lens: list[int]
     prefill_block_ids: list[list[int]]
     logits_indices: list[int] | None  # None: every token's
+
+    _ARRAYS: ClassVar[tuple[str, ...]] = ("ids", "positions", "slots", "decode_seq_lens")
+
+    def to_json(self) -> dict:
+        """Plain lists and numbers (a tensor-parallel rank's message header)."""
+        return {
+            f.name: v.tolist() if f.name in self._ARRAYS else v
+            for f in dataclasses.fields(self)
+            for v in [getattr(self, f.name)]
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> StepArrays:
+        return cls(**{k: np.asarray(v, np.int64) if k in cls._ARRAYS else v for k, v in d.items()})
 
 
 class ModelRunner:

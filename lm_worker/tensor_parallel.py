@@ -20,17 +20,19 @@ watchdog (lm.step_timeout_seconds).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
+import json
 import logging
-import pickle
+import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import IO
 
 import torch
 import torch.distributed as dist
@@ -38,8 +40,9 @@ import torch.distributed as dist
 from common.config import LMConfig
 from common.device import resolve_device
 from common.process import free_port
+from connector import wire
 from models import FamilyOptions, ModelFamily
-from models.parallel import TensorParallel
+from models.parallel import TensorParallel, kv_heads_of
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,71 @@ class RankSpec:
     size: int
     threads: int  # torch's threads (on a CPU, the cores are shared between the ranks)
 
+    def to_json(self) -> dict:
+        return {
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+            "lm": dataclasses.asdict(self.lm),
+            "options": dataclasses.asdict(self.options),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> RankSpec:
+        return cls(**{
+            **d,
+            "lm": LMConfig(**d["lm"]),
+            "options": FamilyOptions(**d["options"]),
+            "dtype": getattr(torch, d["dtype"]),
+        })  # fmt: skip
+
+
+# -- the pipes' messages ----------------------------------------------------------------------
+# One message: its header's length and its tensor count (two uint32), the header (JSON: the
+# kind and every integer), then each tensor in the embedding wire format (connector/wire.py:
+# float32 / float16 / bfloat16, checked), its length before it (uint64). No pickle.
+_FRAME = struct.Struct("<II")
+_LENGTH = struct.Struct("<Q")
+
+
+def encode_message(header: dict, tensors: Sequence[torch.Tensor] = ()) -> bytes:
+    head = json.dumps(header).encode()
+    parts = [_FRAME.pack(len(head), len(tensors)), head]
+    for t in tensors:
+        blob = wire.encode(t)
+        parts += [_LENGTH.pack(len(blob)), blob]
+    return b"".join(parts)
+
+
+def read_message(pipe: IO[bytes]) -> tuple[dict, list[torch.Tensor]]:
+    """The next message (EOFError once the pipe is closed)."""
+    head_bytes, count = _FRAME.unpack(_read(pipe, _FRAME.size))
+    header = json.loads(_read(pipe, head_bytes))
+    tensors = [wire.decode(_read(pipe, _LENGTH.unpack(_read(pipe, _LENGTH.size))[0]))
+               for _ in range(count)]  # fmt: skip
+    return header, tensors
+
+
+def _read(pipe: IO[bytes], n: int) -> bytes:
+    data = pipe.read(n)
+    if len(data) != n:
+        raise EOFError("the pipe closed")
+    return data
+
+
+def mask_to_json(is_mm_embed: torch.Tensor | None) -> dict | None:
+    """A step's is_mm_embed as its length and the rows set."""
+    if is_mm_embed is None:
+        return None
+    return {"length": is_mm_embed.shape[0], "rows": is_mm_embed.nonzero().flatten().tolist()}
+
+
+def mask_from_json(d: dict | None) -> torch.Tensor | None:
+    if d is None:
+        return None
+    mask = torch.zeros(d["length"], dtype=torch.bool)
+    mask[d["rows"]] = True
+    return mask
+
 
 def make_group(store: dist.Store, rank: int, size: int, device: torch.device):
     if device.type == "cuda":
@@ -70,20 +138,6 @@ def make_group(store: dist.Store, rank: int, size: int, device: torch.device):
         options._timeout = GROUP_TIMEOUT
         return dist.ProcessGroupNCCL(store, rank, size, options)
     return dist.ProcessGroupGloo(store, rank, size, GROUP_TIMEOUT)
-
-
-def to_wire(t: torch.Tensor) -> tuple[str, object]:
-    """A tensor as (dtype, numpy array of its bytes' integer view) for the pipe."""
-    t = t.detach().cpu().contiguous()
-    if t.dtype in (torch.bfloat16, torch.float16):
-        return str(t.dtype), t.view(torch.int16).numpy()
-    return str(t.dtype), t.numpy()
-
-
-def from_wire(wire: tuple[str, object]) -> torch.Tensor:
-    dtype, array = wire
-    t = torch.from_numpy(array)
-    return t.view(getattr(torch, dtype.removeprefix("torch."))) if "16" in dtype else t
 
 
 class RankLost(BaseException):
@@ -126,23 +180,22 @@ class Ranks:
                 raise RankLost(why) from error
             time.sleep(0.05)
 
-    def send(self, message: Any) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        for proc in self.procs:
+    def send(self, data: bytes, procs: Sequence[subprocess.Popen] | None = None) -> None:
+        """A message (`encode_message`) to every other rank, or to `procs`."""
+        for proc in self.procs if procs is None else procs:
             proc.stdin.write(data)
             proc.stdin.flush()
 
     def send_step(self, step, mm_embeds: list[torch.Tensor], is_mm_embed) -> None:
-        """A step's inputs, as its forward gets them: the embedding rows as raw arrays (numpy
-        pickles its buffer in one piece; a tensor's own pickling was 3-6x slower here)."""
-        rows = [to_wire(e) for e in mm_embeds]
-        mask = None if is_mm_embed is None else to_wire(is_mm_embed)
-        self.send(("step", step, rows, mask))
+        """A step's inputs (`StepArrays`), as its forward gets them (the rows encoded once for
+        all ranks)."""
+        header = {"kind": "step", "step": step.to_json(), "mask": mask_to_json(is_mm_embed)}
+        self.send(encode_message(header, mm_embeds))
 
-    def receive(self, proc: subprocess.Popen) -> Any:
-        """A rank's reply (RankLost when its pipe closes instead)."""
+    def receive(self, proc: subprocess.Popen) -> list[torch.Tensor]:
+        """A rank's reply's tensors (RankLost when its pipe closes instead)."""
         try:
-            return pickle.load(proc.stdout)
+            return read_message(proc.stdout)[1]
         except (EOFError, OSError) as e:
             raise RankLost(self.dead() or "a tensor-parallel rank closed its pipe") from e
 
@@ -193,7 +246,7 @@ def start_ranks(lm: LMConfig, family: ModelFamily, dtype: torch.dtype) -> Ranks:
         # A 1 MiB pipe (Linux's default is 64 KiB): an image's rows in far fewer writes.
         with contextlib.suppress(OSError):
             fcntl.fcntl(proc.stdin.fileno(), F_SETPIPE_SZ, PIPE_BYTES)
-        proc.stdin.write(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+        proc.stdin.write(encode_message({"kind": "spec", "spec": spec.to_json()}))
         proc.stdin.flush()
         procs.append(proc)
     try:
@@ -211,16 +264,6 @@ def start_ranks(lm: LMConfig, family: ModelFamily, dtype: torch.dtype) -> Ranks:
     return Ranks(TensorParallel(0, size, group, device), procs, store)
 
 
-def kv_heads_of(rank: int, size: int, num_kv_heads: int) -> range:
-    """The KV heads rank `rank` holds (models/parallel.py's split: a share each, or one head
-    replicated on size / num_kv_heads ranks)."""
-    if num_kv_heads >= size:
-        per = num_kv_heads // size
-        return range(rank * per, (rank + 1) * per)
-    head = rank * num_kv_heads // size
-    return range(head, head + 1)
-
-
 class WholeHeadsCache:
     """The KV cache of every rank as the KV connector sees one cache: blocks with all the KV
     heads. `index_select` gathers the blocks' heads from every rank (the others reply over
@@ -231,34 +274,31 @@ class WholeHeadsCache:
     def __init__(self, cache: torch.Tensor, ranks: Ranks, num_kv_heads: int):
         self.cache = cache  # rank 0's shard: [L, 2, blocks, block_size, local kv heads, d]
         self.ranks = ranks
-        self.size = ranks.tp.size
-        self.heads = [kv_heads_of(r, self.size, num_kv_heads) for r in range(self.size)]
+        size = ranks.tp.size
+        self.heads = [kv_heads_of(r, size, num_kv_heads) for r in range(size)]
         self.device, self.dtype = cache.device, cache.dtype
         L, two, blocks, bs, _, d = cache.shape
         self.shape = torch.Size((L, two, blocks, bs, num_kv_heads, d))
-        # For each head, the first rank holding it.
-        self.holder = {h: r for r in reversed(range(self.size)) for h in self.heads[r]}
+        # The ranks whose heads, in rank order, are every head once (with replicated heads,
+        # the first rank holding each).
+        self.owners = [r for r in range(size) if r == 0 or self.heads[r] != self.heads[r - 1]]
 
     def index_select(self, dim: int, ids: torch.Tensor) -> torch.Tensor:
         assert dim == 2, "the KV connector selects blocks"
-        self.ranks.send(("kv_out", ids.cpu().tolist()))
-        parts = {0: self.cache.index_select(2, ids).cpu()}
-        for r, proc in enumerate(self.ranks.procs, start=1):
-            parts[r] = from_wire(self.ranks.receive(proc))
-        return torch.cat(
-            [parts[self.holder[h]][:, :, :, :, [self.heads[self.holder[h]].index(h)]]
-             for h in range(self.shape[4])],
-            dim=4,
-        ).to(self.device)  # fmt: skip
+        owners = [self.ranks.procs[r - 1] for r in self.owners[1:]]
+        self.ranks.send(encode_message({"kind": "kv_out", "ids": ids.tolist()}), owners)
+        parts = [self.cache.index_select(2, ids).cpu()]
+        parts += [self.ranks.receive(proc)[0] for proc in owners]
+        return torch.cat(parts, dim=4).to(self.device)
 
     def index_copy_(self, dim: int, ids: torch.Tensor, data: torch.Tensor) -> WholeHeadsCache:
         assert dim == 2, "the KV connector copies blocks in"
+        header = {"kind": "kv_in", "ids": ids.tolist()}
         for r, proc in enumerate(self.ranks.procs, start=1):
             heads = self.heads[r]
-            mine = to_wire(data[:, :, :, :, heads.start : heads.stop])
-            message = ("kv_in", ids.cpu().tolist(), mine)
-            proc.stdin.write(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-            proc.stdin.flush()
+            self.ranks.send(
+                encode_message(header, [data[..., heads.start : heads.stop, :]]), [proc]
+            )
         heads = self.heads[0]
-        self.cache.index_copy_(2, ids.to(self.device), data[:, :, :, :, heads.start : heads.stop])
+        self.cache.index_copy_(2, ids.to(self.device), data[..., heads.start : heads.stop, :])
         return self

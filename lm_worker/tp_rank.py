@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import sys
 from typing import IO
 
@@ -14,7 +13,15 @@ import torch.distributed as dist
 
 from common.device import resolve_device
 from lm_worker.loader import build_runner
-from lm_worker.tensor_parallel import GROUP_TIMEOUT, RankSpec, from_wire, make_group, to_wire
+from lm_worker.model_runner import StepArrays
+from lm_worker.tensor_parallel import (
+    GROUP_TIMEOUT,
+    RankSpec,
+    encode_message,
+    make_group,
+    mask_from_json,
+    read_message,
+)
 from models import load_family
 from models.parallel import TensorParallel
 
@@ -41,23 +48,20 @@ def follow(spec: RankSpec, inbox: IO[bytes], outbox: IO[bytes]) -> None:
     cache = runner.attention.kv_cache
     while True:
         try:
-            kind, *body = pickle.load(inbox)
+            header, tensors = read_message(inbox)
         except EOFError:
             return
+        kind = header["kind"]
         if kind == "kv_out":  # the KV connector saves blocks: this rank's heads of them
-            (ids,) = body
-            out = to_wire(cache.index_select(2, torch.as_tensor(ids, device=cache.device)))
-            outbox.write(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+            ids = torch.as_tensor(header["ids"], device=cache.device)
+            outbox.write(encode_message({"kind": "kv"}, [cache.index_select(2, ids)]))
             outbox.flush()
         elif kind == "kv_in":  # blocks from elsewhere: this rank's heads, before the step
-            ids, data = body
-            cache.index_copy_(
-                2, torch.as_tensor(ids, device=cache.device), from_wire(data).to(cache.device)
-            )
+            ids = torch.as_tensor(header["ids"], device=cache.device)
+            cache.index_copy_(2, ids, tensors[0].to(cache.device))
         elif kind == "step":
-            step, rows, mask = body
-            rows = [from_wire(r) for r in rows]
-            runner.forward(runner.load_step(step), rows, None if mask is None else from_wire(mask))
+            inputs = runner.load_step(StepArrays.from_json(header["step"]))
+            runner.forward(inputs, tensors, mask_from_json(header["mask"]))
 
 
 def main() -> None:
@@ -70,7 +74,7 @@ def main() -> None:
     outbox = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     try:
-        spec = pickle.load(inbox)
+        spec = RankSpec.from_json(read_message(inbox)[0]["spec"])
     except EOFError:
         return
     try:

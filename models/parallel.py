@@ -81,10 +81,19 @@ def current() -> TensorParallel | None:
     return _CURRENT.get()
 
 
+def kv_heads_of(rank: int, size: int, num_kv_heads: int) -> range:
+    """The KV heads rank `rank` holds: its share, or, where there are fewer than ranks, the
+    one its query heads read (head rank // (size / num_kv_heads), replicated)."""
+    if num_kv_heads >= size:
+        per = num_kv_heads // size
+        return range(rank * per, (rank + 1) * per)
+    head = rank * num_kv_heads // size
+    return range(head, head + 1)
+
+
 def local_kv_heads(num_kv_heads: int, size: int) -> int:
-    """KV heads one rank holds: its share, or one (replicated) where there are fewer than
-    ranks."""
-    return max(num_kv_heads // size, 1)
+    """KV heads one rank holds."""
+    return len(kv_heads_of(0, size, num_kv_heads))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -166,13 +175,11 @@ def _shard_attention(attn: nn.Module, name: str, r: int, n: int, slices: dict) -
             f"{attn.num_kv_heads} KV heads neither split over {n} ranks nor divide them (to be "
             "replicated)"
         )
-    heads, kv = attn.num_heads // n, local_kv_heads(attn.num_kv_heads, n)
-    # Rank r's KV heads: its share, or the one its query heads read where they are replicated.
-    kv_start = r * kv if attn.num_kv_heads >= n else r * attn.num_kv_heads // n
+    heads, kv = attn.num_heads // n, kv_heads_of(r, n, attn.num_kv_heads)
     parts = {
         "q_proj": (r * heads * d, heads * d),
-        "k_proj": (kv_start * d, kv * d),
-        "v_proj": (kv_start * d, kv * d),
+        "k_proj": (kv.start * d, len(kv) * d),
+        "v_proj": (kv.start * d, len(kv) * d),
     }
     for proj, (start, width) in parts.items():
         old = getattr(attn, proj)
@@ -181,7 +188,7 @@ def _shard_attention(attn: nn.Module, name: str, r: int, n: int, slices: dict) -
         if old.bias is not None:
             slices[f"{name}.{proj}.bias"] = (0, start, start + width)
     _row_parallel(attn, "o_proj", name, r * heads * d, heads * d, slices)
-    attn.num_heads, attn.num_kv_heads = heads, kv
+    attn.num_heads, attn.num_kv_heads = heads, len(kv)
 
 
 def _shard_mlp(mlp: nn.Module, name: str, r: int, n: int, slices: dict) -> None:
