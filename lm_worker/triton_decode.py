@@ -38,6 +38,22 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def paged_offsets(
+    table_ptr, pos, ok, kv_head, d, stride_cb, stride_ct, stride_ch, BLOCK: tl.constexpr
+):
+    """The paged cache's layout, for every kernel that reads it: element offsets into a cache
+    [blocks, block_size, kv_heads, head_dim] of key positions `pos` (read where `ok`) of the
+    sequence whose block-table row starts at `table_ptr`, KV head `kv_head`, dims `d`."""
+    block_id = tl.load(table_ptr + pos // BLOCK, mask=ok, other=0)
+    return (
+        block_id.to(tl.int64)[:, None] * stride_cb
+        + (pos % BLOCK)[:, None] * stride_ct
+        + kv_head * stride_ch
+        + d[None, :]
+    )
+
+
+@triton.jit
 def _split_kernel(
     part_acc_ptr,  # [S, H, SPLITS, HEAD_DIM] float32
     part_ml_ptr,  # [S, H, SPLITS, 2] float32: running max, sum of weights
@@ -93,13 +109,8 @@ def _split_kernel(
     for first in range(lo - lo % TILE, hi, TILE):
         pos = first + t
         ok = (pos >= lo) & (pos < hi)
-        block_id = tl.load(tables_ptr + s * stride_ts + pos // BLOCK, mask=ok, other=0)
-        offsets = (
-            block_id.to(tl.int64)[:, None] * stride_cb
-            + (pos % BLOCK)[:, None] * stride_ct
-            + kv_head * stride_ch
-            + d[None, :]
-        )
+        row = tables_ptr + s * stride_ts
+        offsets = paged_offsets(row, pos, ok, kv_head, d, stride_cb, stride_ct, stride_ch, BLOCK)
         mask = ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + offsets, mask=mask, other=0.0)
         if UPCAST:

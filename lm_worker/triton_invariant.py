@@ -36,6 +36,7 @@ import triton.language as tl
 from torch import nn
 
 from lm_worker.attention import PagedAttention, PagedAttentionMetadata
+from lm_worker.triton_decode import paged_offsets
 from models.layers import RMSNorm
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # one tiling for every product
@@ -219,12 +220,9 @@ def _attention_kernel(
     for key0 in range(lo - lo % TILE, hi, TILE):  # tiles at fixed positions: 0, TILE, ...
         pos = key0 + t
         key_ok = pos < hi
-        block_id = tl.load(tables_ptr + seq * stride_ts + pos // BLOCK, mask=key_ok, other=0)
-        offsets = (
-            block_id.to(tl.int64)[:, None] * stride_cb
-            + (pos % BLOCK)[:, None] * stride_ct
-            + kv_head * stride_ch
-            + d[None, :]
+        row = tables_ptr + seq * stride_ts
+        offsets = paged_offsets(
+            row, pos, key_ok, kv_head, d, stride_cb, stride_ct, stride_ch, BLOCK
         )
         mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + offsets, mask=mask, other=0.0)

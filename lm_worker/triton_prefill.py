@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lm_worker.triton_decode import paged_offsets
+
 TK = 32  # keys per iteration
 # See lm_worker/triton_decode.py: the interpreter's bf16 / fp16 products are wrong (Triton
 # 3.9), so there the kernel computes in float32.
@@ -100,13 +102,8 @@ def _prefill_kernel(
     for k0 in range(lo - lo % TK, last, TK):
         pos = k0 + kk
         k_ok = (pos >= lo) & (pos < last)
-        block_id = tl.load(tables_ptr + c * stride_tc + pos // BLOCK, mask=k_ok, other=0)
-        offsets = (
-            block_id.to(tl.int64)[:, None] * stride_cb
-            + (pos % BLOCK)[:, None] * stride_ct
-            + kv_head * stride_ch
-            + d[None, :]
-        )
+        row = tables_ptr + c * stride_tc
+        offsets = paged_offsets(row, pos, k_ok, kv_head, d, stride_cb, stride_ct, stride_ch, BLOCK)
         mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + offsets, mask=mask, other=0.0)
         if UPCAST:

@@ -4,17 +4,14 @@ graphs; the speed of both is printed with `-s`."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from common.config import LMConfig
 from lm_worker.loader import build_engine
-from lm_worker.request import Request
-from models import SamplingParams, load_family
+from models import load_family
 from models.testing import make_checkpoint
-from tests.lm_helpers import Collected
+from tests.test_lm_cuda import generate
 
 pytestmark = [
     pytest.mark.cuda,
@@ -32,18 +29,6 @@ def engine(checkpoint, tp: int, graphs: str):
         tensor_parallel_size=tp,
     )
     return build_engine(lm, load_family(checkpoint), torch.float32, registry=None)
-
-
-def generate(e, prompts, max_tokens):
-    sinks = {}
-    for i, p in enumerate(prompts):
-        sinks[i] = Collected()
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        e.add_request(Request(f"r{time.monotonic_ns()}-{i}", p, params), sinks[i])
-    started = time.perf_counter()
-    e.run_to_completion()
-    torch.cuda.synchronize()
-    return [sinks[i].token_ids for i in range(len(prompts))], time.perf_counter() - started
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl_moe"])

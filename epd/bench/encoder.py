@@ -46,7 +46,7 @@ from encoder_worker.encoder import EncodeItem, MMEncoder
 from encoder_worker.metrics import EncoderMetrics
 from encoder_worker.tower import Tower, load_tower
 from epd.bench import add_checkpoint_arguments, bench_checkpoint, video
-from epd.bench.lm import matmul_peak
+from epd.bench.lm import best_seconds, matmul_peak
 from models import MediaInput, ProcessedMedia
 
 MFU_REPEATS = 5
@@ -141,11 +141,6 @@ def vision_flops(tower: nn.Module, grid: tuple[int, int, int]) -> float:
     return flops + 4.0 * c.hidden_size * t * squares
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def forward_seconds(module: nn.Module, batch: list[ProcessedMedia], device: torch.device) -> float:
     """The best of MFU_REPEATS forwards of `module` over `batch`, its pixels already on
@@ -153,14 +148,7 @@ def forward_seconds(module: nn.Module, batch: list[ProcessedMedia], device: torc
     pixels = torch.cat([p.pixel_values for p in batch]).to(device)  # [patches, C * T * P * P]
     grids = [p.grid.grid_thw for p in batch]
     module.embed_multimodal(pixels, grids)
-    best = float("inf")
-    for _ in range(MFU_REPEATS):
-        _sync(device)
-        started = time.perf_counter()
-        module.embed_multimodal(pixels, grids)
-        _sync(device)
-        best = min(best, time.perf_counter() - started)
-    return best
+    return best_seconds(lambda: module.embed_multimodal(pixels, grids), MFU_REPEATS)
 
 
 def measure_mfu(tower: Tower, sides: list[int], batch: int) -> dict:

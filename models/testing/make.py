@@ -16,6 +16,7 @@ model's). The same (arch, size, seed) always gives the same bytes on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -68,6 +69,32 @@ class Shape:
     tokenizer_vocab: int | None = None  # BPE + special tokens; None: vocab_size
 
 
+# Qwen2.5-VL-3B-Instruct's shapes (its config.json), in bf16; 7b's LM is larger, its vision
+# tower the same.
+_QWEN25_VL_3B = Shape(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=11008,
+    num_layers=36,
+    num_heads=16,
+    num_kv_heads=2,
+    mrope_section=(16, 24, 24),
+    tie_word_embeddings=True,
+    vision_depth=32,
+    vision_hidden=1280,
+    vision_heads=16,
+    vision_intermediate=3420,
+    vision_mlp_ratio=4,
+    window_size=112,
+    fullatt_block_indexes=(7, 15, 23, 31),
+    max_pixels=28 * 28 * 1280,
+    video_max_pixels=28 * 28 * 768,
+    max_shard_bytes=4 << 30,
+    dtype="bfloat16",
+    tokenizer_vocab=32000,
+)
+
+
 SHAPES: dict[str, Shape] = {
     "tiny": Shape(
         vocab_size=512,
@@ -108,50 +135,16 @@ SHAPES: dict[str, Shape] = {
         video_max_pixels=28 * 28 * 128,
         max_shard_bytes=200 * 1024 * 1024,
     ),
-    # Qwen2.5-VL-3B-Instruct's and -7B-Instruct's shapes (their config.json), in bf16.
-    "3b": Shape(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=11008,
-        num_layers=36,
-        num_heads=16,
-        num_kv_heads=2,
-        mrope_section=(16, 24, 24),
-        tie_word_embeddings=True,
-        vision_depth=32,
-        vision_hidden=1280,
-        vision_heads=16,
-        vision_intermediate=3420,
-        vision_mlp_ratio=4,
-        window_size=112,
-        fullatt_block_indexes=(7, 15, 23, 31),
-        max_pixels=28 * 28 * 1280,
-        video_max_pixels=28 * 28 * 768,
-        max_shard_bytes=4 << 30,
-        dtype="bfloat16",
-        tokenizer_vocab=32000,
-    ),
-    "7b": Shape(
+    "3b": _QWEN25_VL_3B,
+    "7b": dataclasses.replace(
+        _QWEN25_VL_3B,
         vocab_size=152064,
         hidden_size=3584,
         intermediate_size=18944,
         num_layers=28,
         num_heads=28,
         num_kv_heads=4,
-        mrope_section=(16, 24, 24),
         tie_word_embeddings=False,
-        vision_depth=32,
-        vision_hidden=1280,
-        vision_heads=16,
-        vision_intermediate=3420,
-        vision_mlp_ratio=4,
-        window_size=112,
-        fullatt_block_indexes=(7, 15, 23, 31),
-        max_pixels=28 * 28 * 1280,
-        video_max_pixels=28 * 28 * 768,
-        max_shard_bytes=4 << 30,
-        dtype="bfloat16",
-        tokenizer_vocab=32000,
     ),
 }
 
