@@ -17,7 +17,7 @@ stays within segments (frames, or windows) of the packed sequence, as the refere
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -105,13 +105,23 @@ def _norm(config: VisionConfig, dim: int) -> nn.Module:
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, config: VisionConfig):
+    """Pre-norm attention and MLP. Qwen3-VL's blocks are these with LayerNorms and its own MLP
+    (`norm`, `mlp` given); by default the config's norm and Qwen2 / Qwen2.5's MLP."""
+
+    def __init__(
+        self,
+        config,
+        norm: Callable[[], nn.Module] | None = None,
+        mlp: nn.Module | None = None,
+    ):
         super().__init__()
-        self.norm1 = _norm(config, config.hidden_size)
-        self.norm2 = _norm(config, config.hidden_size)
+        norm = norm or (lambda: _norm(config, config.hidden_size))
+        self.norm1 = norm()
+        self.norm2 = norm()
         self.attn = VisionAttention(config)
-        mlp = Qwen25VisionMLP if config.gated_mlp else Qwen2VisionMLP
-        self.mlp = mlp(config)
+        if mlp is None:
+            mlp = (Qwen25VisionMLP if config.gated_mlp else Qwen2VisionMLP)(config)
+        self.mlp = mlp
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: _Segments

@@ -32,7 +32,7 @@ from models.qwen2_vl.vision import (
     VISION_TENSORS,
     GridTHW,
     PatchEmbed,
-    VisionAttention,
+    VisionBlock,
     _Segments,
     checked_grids,
     rotary_2d,
@@ -49,19 +49,6 @@ class VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
-
-
-class VisionBlock(nn.Module):
-    def __init__(self, config: VisionConfig):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(config)
-        self.mlp = VisionMLP(config)
-
-    def forward(self, x, cos, sin, segments: _Segments) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nn.Module):
@@ -89,7 +76,12 @@ class VisionTower(nn.Module):
         self.config = config
         self.patch_embed = PatchEmbed(config, bias=True)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.blocks = nn.ModuleList(
+            VisionBlock(
+                config, lambda: nn.LayerNorm(config.hidden_size, eps=1e-6), VisionMLP(config)
+            )
+            for _ in range(config.depth)
+        )
         self.merger = PatchMerger(config, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(config, postshuffle=True) for _ in config.deepstack_visual_indexes
