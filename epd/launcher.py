@@ -290,14 +290,14 @@ class LocalCluster:
                 lm_workers=tuple(r.address for r in self.lm_workers),
             ),
         )
-        tp = self.config.lm.tensor_parallel_size
-        if tp > 1 and len(self.lm_workers) > 1 and _share_one_gpu(self.config):
+        tp, one_gpu = self.config.lm.tensor_parallel_size, _share_one_gpu(self.config)
+        if tp > 1 and len(self.lm_workers) > 1 and one_gpu:
             raise LaunchError(
                 f"lm.tensor_parallel_size {tp}: each LM worker takes GPUs 0 .. {tp - 1}, so "
                 f"{len(self.lm_workers)} of them would share them; start one LM worker per "
                 "machine (or set lm.device: cpu)"
             )
-        if _share_one_gpu(self.config):
+        if one_gpu:
             encoders = len(self.encoders) if self.auto is None else self.auto[1]
             self.config = split_gpu_memory(self.config, encoders, len(self.lm_workers))
         config_path = self.config_path = self.run_dir / "cluster.yaml"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 
+import psutil
 import pytest
 import torch
 
@@ -138,20 +139,11 @@ def test_a_realtime_transcription_on_two_ranks(tmp_path):
 
 def tp_ranks_of(pid: int) -> list[int]:
     """The pids of an LM worker's other ranks (its children running lm_worker.tp_rank)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                command = f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid and b"lm_worker.tp_rank" in command:
-            found.append(int(entry))
-    return found
+    return [
+        child.pid
+        for child in psutil.Process(pid).children()
+        if "lm_worker.tp_rank" in child.cmdline()
+    ]
 
 
 @pytest.mark.timeout(400)
