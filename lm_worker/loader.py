@@ -199,16 +199,8 @@ def build_runner(
         if why:
             raise RuntimeError(f"lm.batch_invariant cannot run here: {why}")
         runner.invariant = InvariantForward(model, attention)
-    elif device.type == "cpu" and tp is not None and lm.cpu_fused_decode != "off":
-        # Every rank alike, untimed: a timed choice could differ between ranks (their
-        # collectives are the same either way, but the cache of choices is shared).
-        why = why_not_fused(model, attention)
-        if why and lm.cpu_fused_decode == "on":
-            raise RuntimeError(f"lm.cpu_fused_decode is on but cannot run here: {why}")
-        if not why:
-            runner.fused = FusedDecode(model, attention)
     elif device.type == "cpu":
-        _choose_fused_decode(lm, runner)
+        _choose_fused_decode(lm, runner, timed=tp is None)
     return runner, plan, kernel
 
 
@@ -256,10 +248,11 @@ def _choose_cpu_kernel(lm: LMConfig, model: torch.nn.Module) -> str:
     return kernel
 
 
-def _choose_fused_decode(lm: LMConfig, runner: ModelRunner) -> None:
+def _choose_fused_decode(lm: LMConfig, runner: ModelRunner, timed: bool = True) -> None:
     """`lm.cpu_fused_decode`: the runner's decode steps of a few sequences in C
     (lm_worker/cpu_decode.py) where it runs (on: up to 8 sequences) or for the sequence counts
-    where it is measured faster (auto)."""
+    where it is measured faster (auto). Not `timed` (the ranks of a tensor-parallel worker:
+    a timed choice could differ between them), auto takes it wherever it runs."""
     model, attention = runner.model, runner.attention
     if lm.cpu_fused_decode == "off":
         return
@@ -271,6 +264,9 @@ def _choose_fused_decode(lm: LMConfig, runner: ModelRunner) -> None:
         return
     if why:
         logger.info("CPU decode steps run the torch modules (no fused decode: %s)", why)
+        return
+    if not timed:
+        runner.fused = FusedDecode(model, attention)
         return
     runner.fused, measured = choose_fused_decode(
         model, attention, runner.dummy_decode, lm.max_num_seqs, cache_dir=cache_dir()
