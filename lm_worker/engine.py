@@ -347,7 +347,7 @@ class LMEngine:
         layer is written), sample, outputs."""
         began = time.monotonic()
         inputs = self.runner.prepare_inputs(batch)
-        cache = self.runner.connector_cache or self.runner.attention.kv_cache
+        cache = self.runner.connector_cache
         self.kv.load_kv(cache)  # blocks a remote holds, into the cache before they are read
         mm_embeds, is_mm_embed = self.runner.gather_mm_embeddings(inputs)
         # Blocks this step completes that go out layer by layer, as the forward writes them.
@@ -389,9 +389,7 @@ class LMEngine:
                 request.first_scheduled = now if began is None else began
             self.scheduler.blocks.commit_full_blocks(request)
         # The step's new blocks out, before a finish frees them.
-        self.kv.save_kv(
-            batch.requests, self.runner.connector_cache or self.runner.attention.kv_cache
-        )
+        self.kv.save_kv(batch.requests, self.runner.connector_cache)
 
         outputs = []
         for request, token in zip(inputs.sampling_requests, sampled, strict=True):

@@ -87,7 +87,7 @@ def build_engine(
             layerwise=lm.kv_send_layerwise and ranks is None,
         )
         if ranks is not None:
-            runner.connector_cache = WholeHeadsCache(
+            runner.whole_heads = WholeHeadsCache(
                 runner.attention.kv_cache, ranks, text.num_kv_heads
             )
     blocks = BlockManager(plan.num_blocks, lm.block_size, lm.enable_prefix_caching)

@@ -152,13 +152,18 @@ class ModelRunner:
         # Tensor parallelism: rank 0's handle on the other ranks (lm_worker/tensor_parallel.py),
         # sent each step's inputs before its forward.
         self.ranks: Ranks | None = None
-        # What the KV connector reads and writes blocks through: the KV cache, or under
-        # tensor parallelism every rank's heads of it (WholeHeadsCache).
-        self.connector_cache: WholeHeadsCache | None = None
+        # Under tensor parallelism, every rank's heads of the KV cache (see `connector_cache`).
+        self.whole_heads: WholeHeadsCache | None = None
         # Captured by `capture_graphs`, once the KV cache is allocated at its planned size.
         self.graphs: CudaGraphRunner | None = None
         self.use_graphs = use_graphs
         assert not use_graphs or device.type == "cuda", "CUDA graphs need a CUDA device"
+
+    @property
+    def connector_cache(self) -> torch.Tensor | WholeHeadsCache:
+        """What the KV connector reads and writes blocks through: the KV cache, or under
+        tensor parallelism every rank's heads of it."""
+        return self.whole_heads if self.whole_heads is not None else self.attention.kv_cache
 
     def capture_graphs(self) -> None:
         """The decode graphs, over the KV cache the attention holds now (their addresses)."""
