@@ -19,6 +19,7 @@ figures on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import resource
@@ -146,10 +147,7 @@ def plan_kv_cache(
             f"not even one request fits: {why}. Raise lm.gpu_memory_utilization (or "
             f"lm.kv_cache_bytes), {fix}, or use a device with more memory"
         )
-    plan = MemoryPlan(
-        device, memory, share, usage, block_bytes, block_size, num_blocks,
-        plan.kv_tokens, bound,
-    )  # fmt: skip
+    plan = dataclasses.replace(plan, max_model_len=plan.kv_tokens)
     logger.warning(
         "the KV cache holds %d tokens, less than the model's context %d: the context is %d (%s)",
         plan.kv_tokens,
