@@ -49,7 +49,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from models.demo import scenes
@@ -60,7 +59,7 @@ from models.qwen2_vl.processing import MediaProcessor
 from models.qwen2_vl.rope import MediaSpan, mrope_positions
 from models.qwen2_vl.vision import VisionTower
 from models.testing.make import SHAPES, Shape, _config, _processor_configs
-from models.testing.qwen_files import SPECIAL_TOKENS, SPLIT_PATTERN
+from models.testing.qwen_files import SPECIAL_TOKENS, bpe_tokenizer
 from models.testing.qwen_files import generation_config as _generation_config
 from models.testing.qwen_files import tokenizer_config as _tokenizer_config
 from models.tokenizer import Tokenizer, expand_placeholders
@@ -270,25 +269,8 @@ def with_overrides(settings: Settings, assignments: Iterable[str]) -> Settings:
 def train_tokenizer() -> _HFTokenizer:
     """A byte-level BPE on the world's questions and answers and the chat template's words,
     then the family's special tokens."""
-    tok = _HFTokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512 - len(SPECIAL_TOKENS),
-        min_frequency=1,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
     chat = ["system\nYou are a helpful assistant.\n", "user\n", "assistant\n"]
-    tok.train_from_iterator((scenes.answer_corpus() + chat) * 4, trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    return tok
+    return bpe_tokenizer((scenes.answer_corpus() + chat) * 4, 512 - len(SPECIAL_TOKENS))
 
 
 def write_config(out: Path, shape: Shape, rope_theta: float | None = None) -> Shape:

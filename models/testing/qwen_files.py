@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -114,6 +114,20 @@ def corpus(num_words: int) -> list[str]:
 
 def train_tokenizer(bpe_size: int) -> _HFTokenizer:
     """A byte-level BPE with `bpe_size` tokens, then the family's special tokens."""
+    # About 12 words per learned merge is enough text to fill the vocabulary.
+    tok = bpe_tokenizer(corpus(max(2000, bpe_size * 12)), bpe_size)
+    if tok.get_vocab_size(with_added_tokens=False) != bpe_size:
+        raise RuntimeError(
+            f"BPE training gave {tok.get_vocab_size(with_added_tokens=False)} tokens, wanted "
+            f"{bpe_size}"
+        )
+    return tok
+
+
+def bpe_tokenizer(texts: Iterable[str], bpe_size: int) -> _HFTokenizer:
+    """A byte-level BPE of at most `bpe_size` tokens trained on `texts` (Qwen2's split
+    pattern, NFC), then the family's special tokens: the built-in model's and the random
+    checkpoints' tokenizers."""
     tok = _HFTokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -129,10 +143,7 @@ def train_tokenizer(bpe_size: int) -> _HFTokenizer:
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    # About 12 words per learned merge is enough text to fill the vocabulary.
-    tok.train_from_iterator(corpus(max(2000, bpe_size * 12)), trainer)
-    if tok.get_vocab_size() != bpe_size:
-        raise RuntimeError(f"BPE training gave {tok.get_vocab_size()} tokens, wanted {bpe_size}")
+    tok.train_from_iterator(texts, trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return tok
 
