@@ -24,7 +24,7 @@ import bisect
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -47,24 +47,31 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _no_counts() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
+
+
 @dataclass
 class InputBatch:
-    """One step's inputs: the real part of the persistent buffers, and what it means."""
+    """One step's inputs: the real part of the persistent buffers, and what it means. The
+    request fields are rank 0's (the other ranks of a tensor-parallel worker run the step
+    from its arrays alone)."""
 
-    requests: list[Request]
     num_tokens: int  # real tokens
     num_tokens_padded: int  # tokens the forward runs over (a graph size, or num_tokens)
-    num_scheduled_tokens: np.ndarray  # [num_reqs]
-    query_start_loc: np.ndarray  # [num_reqs + 1]
-    num_computed_tokens: np.ndarray  # [num_reqs], before this step
-    prefill_lens: np.ndarray  # [num_reqs], prompt lengths
     # The token index of each sampling request: [num_sampling], or the slice of all tokens
     # when each is a sampling request's last (a decode-only step: no gather of rows).
     logits_indices: torch.Tensor | slice
-    sampling_requests: list[Request]  # requests whose window reaches their last token
     attn_metadata: PagedAttentionMetadata
     use_graph: bool
     step: StepArrays  # what it was loaded from (a tensor-parallel worker sends it)
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: np.ndarray = field(default_factory=_no_counts)  # [num_reqs]
+    query_start_loc: np.ndarray = field(default_factory=_no_counts)  # [num_reqs + 1]
+    # [num_reqs], before this step
+    num_computed_tokens: np.ndarray = field(default_factory=_no_counts)
+    prefill_lens: np.ndarray = field(default_factory=_no_counts)  # [num_reqs], prompt lengths
+    sampling_requests: list[Request] = field(default_factory=list)  # windows at their last token
 
 
 @dataclass
@@ -242,19 +249,20 @@ class ModelRunner:
             prefill_block_ids=[list(requests[i].block_ids) for i in range(num_decodes, num_reqs)],
             logits_indices=None if len(logits_indices) == num_tokens else logits_indices,
         )
-        inputs = self.load_step(step)
-        inputs.requests = requests
-        inputs.num_scheduled_tokens = counts
-        inputs.query_start_loc = query_start_loc
-        inputs.num_computed_tokens = computed
-        inputs.prefill_lens = prefill_lens
-        inputs.sampling_requests = sampling
-        return inputs
+        return self.load_step(
+            step,
+            requests=requests,
+            num_scheduled_tokens=counts,
+            query_start_loc=query_start_loc,
+            num_computed_tokens=computed,
+            prefill_lens=prefill_lens,
+            sampling_requests=sampling,
+        )
 
-    def load_step(self, step: StepArrays) -> InputBatch:
+    def load_step(self, step: StepArrays, **requests_side) -> InputBatch:
         """The step's inputs into this runner's buffers, and their metadata: what every rank
-        of a tensor-parallel worker does with the arrays rank 0 prepared (the request fields
-        of the InputBatch are rank 0's, filled by `prepare_inputs`)."""
+        of a tensor-parallel worker does with the arrays rank 0 prepared (`requests_side`:
+        the InputBatch's request fields, rank 0's, from `prepare_inputs`)."""
         b = self.buffers
         num_tokens, num_decodes, pad = step.num_tokens, step.num_decodes, step.pad
         use_graph = pad and self.graphs is not None
@@ -298,22 +306,17 @@ class ModelRunner:
         else:
             meta = b.decode_metadata(decode_rows, width)
         return InputBatch(
-            requests=[],
             num_tokens=num_tokens,
             num_tokens_padded=padded,
-            num_scheduled_tokens=np.zeros(0, dtype=np.int64),
-            query_start_loc=np.zeros(0, dtype=np.int64),
-            num_computed_tokens=np.zeros(0, dtype=np.int64),
-            prefill_lens=np.zeros(0, dtype=np.int64),
             logits_indices=(
                 slice(0, num_tokens)
                 if step.logits_indices is None
                 else torch.as_tensor(step.logits_indices, dtype=torch.long, device=self.device)
             ),
-            sampling_requests=[],
             attn_metadata=meta,
             use_graph=use_graph,
             step=step,
+            **requests_side,
         )
 
     def gather_mm_embeddings(
