@@ -19,13 +19,15 @@ from tests.lm_helpers import Collected, decode_case
 pytestmark = pytest.mark.cuda
 
 
-def engine(checkpoint, graphs: str, dtype=torch.float32):
+def engine(checkpoint, graphs: str, dtype=torch.float32, **settings):
+    """`settings`: more LMConfig fields (tensor_parallel_size, say)."""
     lm = LMConfig(
         device="cuda",
         cuda_graphs=graphs,
         kv_cache_bytes=256 << 20,
         max_num_seqs=32,
         max_model_len=1024,
+        **settings,
     )
     return build_engine(lm, load_family(checkpoint), dtype, registry=None)
 

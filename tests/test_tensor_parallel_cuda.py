@@ -7,11 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.config import LMConfig
-from lm_worker.loader import build_engine
-from models import load_family
 from models.testing import make_checkpoint
-from tests.test_lm_cuda import generate
+from tests.test_lm_cuda import engine, generate
 
 pytestmark = [
     pytest.mark.cuda,
@@ -19,27 +16,15 @@ pytestmark = [
 ]
 
 
-def engine(checkpoint, tp: int, graphs: str):
-    lm = LMConfig(
-        device="cuda",
-        cuda_graphs=graphs,
-        kv_cache_bytes=256 << 20,
-        max_num_seqs=16,
-        max_model_len=1024,
-        tensor_parallel_size=tp,
-    )
-    return build_engine(lm, load_family(checkpoint), torch.float32, registry=None)
-
-
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl_moe"])
 def test_two_gpus_give_one_gpus_tokens(tmp_path, arch):
     path = make_checkpoint(tmp_path / arch, arch, "tiny", seed=1)
     prompts = [[100 + i + j for j in range(20 + 3 * i)] for i in range(6)]
-    one = engine(path, 1, "on")
+    one = engine(path, "on")
     want, t1 = generate(one, prompts, 32)
     one.stop()
     for graphs in ("off", "on"):
-        two = engine(path, 2, graphs)
+        two = engine(path, graphs, tensor_parallel_size=2)
         try:
             assert (two.runner.graphs is not None) == (graphs == "on")
             got, t2 = generate(two, prompts, 32)
